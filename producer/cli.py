@@ -1,0 +1,455 @@
+"""``vqueue``: submit JSONL files, follow batches, read results, start workers.
+
+Data goes to stdout, progress and errors to stderr. Errors are one line and a named exit code:
+
+    0 OK    1 FAILURE    2 USAGE    3 INPUT (file unusable)    4 CONNECT (Redis unreachable)
+    5 NOT_FOUND (no such batch)    6 TIMEOUT (--timeout passed while waiting)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import IO, Any, NoReturn
+
+import click
+import redis
+
+from schemas import (
+    BatchStatus,
+    Envelope,
+    JobResult,
+    Settings,
+    get_settings,
+    job_json_schema,
+    output_line,
+    rejected_line,
+)
+
+RET_OK, RET_FAILURE, RET_USAGE, RET_INPUT, RET_CONNECT, RET_NOT_FOUND, RET_TIMEOUT = range(7)
+# Per-line errors echoed to stderr before the rest are only counted (all go to --errors).
+MAX_ECHOED_ERRORS = 20
+
+
+def fail(message: str, code: int = RET_FAILURE) -> NoReturn:
+    click.secho(f"vqueue: {message}", fg="red", err=True)
+    sys.exit(code)
+
+
+class Ctx:
+    """Shared options, resolved once; they default to the VQUEUE_* settings."""
+
+    def __init__(self, broker: str | None, queue: str | None) -> None:
+        updates = {k: v for k, v in (("broker_url", broker), ("queue", queue)) if v}
+        self.settings: Settings = get_settings().model_copy(update=updates)
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            from .client import Client
+
+            self._client = Client(self.settings)
+            try:
+                self._client.store.r.ping()
+            except redis.RedisError as exc:
+                fail(
+                    f"cannot reach Redis at {_redact(self.settings.backend_url())}: {exc}",
+                    RET_CONNECT,
+                )
+        return self._client
+
+
+def _redact(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    if u.password:
+        return url.replace(f":{u.password}@", ":***@")
+    return url
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--broker", metavar="URL", help="Redis URL [env VQUEUE_BROKER_URL]")
+@click.option("--queue", metavar="NAME", help="Celery queue [env VQUEUE_QUEUE]")
+@click.pass_context
+def cli(ctx: click.Context, broker: str | None, queue: str | None) -> None:
+    """Batch LLM jobs through Redis into GPU workers running vLLM."""
+    ctx.obj = Ctx(broker, queue)
+
+
+# ----------------------------------------------------------------------------------- submit
+@cli.command()
+@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--wait", is_flag=True, help="Wait for every result before exiting.")
+@click.option(
+    "--out", "out_path", type=click.Path(dir_okay=False), help="Write results here (JSONL)."
+)
+@click.option(
+    "--errors",
+    "errors_path",
+    type=click.Path(dir_okay=False),
+    help="Write rejected lines and failed jobs here (JSONL).",
+)
+@click.option("--batch", "batch_id", help="Batch id (default: generated).")
+@click.option("--priority", type=click.IntRange(0, 9), help="Priority for lines that set none.")
+@click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print a JSON summary instead of the batch id."
+)
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.pass_obj
+def submit(
+    obj: Ctx,
+    file: str,
+    wait: bool,
+    out_path: str | None,
+    errors_path: str | None,
+    batch_id: str | None,
+    priority: int | None,
+    timeout: float | None,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Validate FILE (JSONL, '-' for stdin) line by line and enqueue the good lines.
+
+    Bad lines are reported with their line numbers and never stop the rest. The exit code is
+    non-zero only when the file itself is unusable (missing, empty, no valid line).
+    """
+    from .client import new_batch_id
+    from .inputs import parse_lines, read_lines
+
+    if (out_path or errors_path) and not wait:
+        fail("--out and --errors need --wait (or use 'vqueue results BATCH' later)", RET_USAGE)
+    try:
+        fh: IO[bytes] = sys.stdin.buffer if file == "-" else open(file, "rb")  # noqa: SIM115
+    except OSError as exc:
+        fail(f"cannot read {file}: {exc.strerror}", RET_INPUT)
+    client = obj.client
+    batch = batch_id or new_batch_id()
+    size = os.fstat(fh.fileno()).st_size if file != "-" else None
+    with ExitStack() as stack:
+        stack.enter_context(fh)
+        errors_out = stack.enter_context(open(errors_path, "w")) if errors_path else None
+        bar = _bar(quiet, total=size, unit="B", unit_scale=True, desc="submit")
+        client.store.create(batch, "vqueue", source=None if file == "-" else os.path.abspath(file))
+        good = rejected = 0
+        chunk: list[Envelope] = []
+        chunk_rejected = 0
+
+        def lines() -> Iterator[bytes]:
+            for raw in read_lines(fh):
+                bar.update(len(raw))
+                yield raw
+
+        for p in parse_lines(lines(), default_priority=priority):
+            if p.error is not None:
+                rejected += 1
+                chunk_rejected += 1
+                if rejected <= MAX_ECHOED_ERRORS:
+                    bar.write(f"line {p.line}: {p.error}", file=sys.stderr)
+                if errors_out:
+                    errors_out.write(json.dumps(rejected_line(p.custom_id, p.line, p.error)) + "\n")
+                continue
+            good += 1
+            chunk.append(
+                Envelope(
+                    job=p.job, batch=batch, format=p.format, model=p.model, enqueued_at=time.time()
+                )
+            )
+            if len(chunk) >= 1000:
+                client.publish(chunk, batch, rejected=chunk_rejected)
+                chunk, chunk_rejected = [], 0
+        if chunk or chunk_rejected:
+            client.publish(chunk, batch, rejected=chunk_rejected)
+        client.store.seal(batch)
+        bar.close()
+        if rejected > MAX_ECHOED_ERRORS:
+            click.echo(
+                f"... and {rejected - MAX_ECHOED_ERRORS} more rejected lines"
+                + (f" (all in {errors_path})" if errors_path else ""),
+                err=True,
+            )
+        if good == 0:
+            fail(
+                f"{file}: no valid job in {rejected} non-blank lines; nothing was enqueued"
+                if rejected
+                else f"{file}: no jobs (empty input)",
+                RET_INPUT,
+            )
+        click.echo(f"batch {batch}: {good} jobs enqueued, {rejected} lines rejected", err=True)
+        if not as_json:
+            click.echo(batch)
+            sys.stdout.flush()
+        st = None
+        if wait:
+            out = stack.enter_context(open(out_path, "w")) if out_path else None
+            st = _follow(client, batch, out, errors_out, quiet, timeout)
+        if as_json:
+            summary: dict[str, Any] = {"batch": batch, "enqueued": good, "rejected": rejected}
+            if st:
+                summary.update(completed=st.completed, failed=st.failed)
+            click.echo(json.dumps(summary))
+
+
+def _bar(quiet: bool, **kw: Any) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(file=sys.stderr, disable=quiet, dynamic_ncols=True, mininterval=0.5, **kw)
+
+
+def _write_result(res: JobResult, out: IO[str] | None, errors: IO[str] | None) -> None:
+    failed = res.status == "failed"
+    target = errors if (failed and errors) else out
+    if target is None:
+        return
+    line = output_line(res) if res.format == "openai" else res.model_dump(mode="json")
+    target.write(json.dumps(line, ensure_ascii=False) + "\n")
+
+
+def _follow(
+    client: Any,
+    batch: str,
+    out: IO[str] | None,
+    errors: IO[str] | None,
+    quiet: bool,
+    timeout: float | None,
+) -> BatchStatus:
+    """Stream results to the files with a done/failed/rate/ETA bar until the batch is done."""
+    from .client import WaitTimeout
+
+    st = client.batch(batch).status()
+    bar = _bar(
+        quiet,
+        total=st.total,
+        unit="job",
+        desc="done",
+        bar_format="{desc}: {n}/{total} {postfix} |{bar}| {rate_fmt} ETA {remaining}",
+    )
+    failed = 0
+    try:
+        for res in client.batch(batch).results(timeout=timeout):
+            _write_result(res, out, errors)
+            if res.status == "failed":
+                failed += 1
+                bar.set_postfix_str(f"failed {failed}", refresh=False)
+            bar.update(1)
+    except WaitTimeout as exc:
+        bar.close()
+        fail(str(exc), RET_TIMEOUT)
+    bar.close()
+    st = client.batch(batch).status()
+    click.echo(
+        f"batch {batch}: {st.completed} completed, {st.failed} failed, {st.rejected} rejected",
+        err=True,
+    )
+    return st
+
+
+# ----------------------------------------------------------------------------------- status
+@cli.command()
+@click.argument("batch", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--watch", is_flag=True, help="Redraw every second until interrupted (or done).")
+@click.pass_obj
+def status(obj: Ctx, batch: str | None, as_json: bool, watch: bool) -> None:
+    """A batch's progress, or (without BATCH) the live workers and the queue depth."""
+    client = obj.client
+    while True:
+        text = _batch_status(client, batch, as_json) if batch else _fleet_status(client, as_json)
+        if not watch:
+            click.echo(text)
+            return
+        click.echo("\x1b[H\x1b[2J" + text, nl=True)  # clear and redraw in place
+        if batch and client.store.is_sealed(batch) and client.batch(batch).status().remaining == 0:
+            return
+        time.sleep(1)
+
+
+def _batch_status(client: Any, batch: str, as_json: bool) -> str:
+    from .client import BatchNotFound
+
+    try:
+        st = client.batch(batch).status()
+    except BatchNotFound as exc:
+        fail(str(exc), RET_NOT_FOUND)
+    elapsed = max((st.updated_at or time.time()) - st.created_at, 1e-9)
+    rate = st.done / elapsed
+    eta = st.remaining / rate if rate > 0 else None
+    if as_json:
+        d = st.model_dump()
+        d.update(done=st.done, remaining=st.remaining, rate_per_s=rate, eta_s=eta)
+        return json.dumps(d)
+    eta_txt = f"{eta:.0f}s" if eta is not None else "-"
+    return (
+        f"batch {batch}: {st.done}/{st.total} done ({st.completed} completed, {st.failed} failed),"
+        f" {st.remaining} remaining, {st.rejected} rejected at submit;"
+        f" {rate:.2f} jobs/s, ETA {eta_txt}"
+    )
+
+
+def _fleet_status(client: Any, as_json: bool) -> str:
+    workers = client.store.workers()
+    depth = client.queue_depth()
+    if as_json:
+        return json.dumps({"queue": client.settings.queue, "depth": depth, "workers": workers})
+    lines = [f"queue {client.settings.queue}: {depth} waiting", f"{len(workers)} live worker(s)"]
+    for w in workers:
+        up = time.time() - (w.get("started_at") or time.time())
+        lines.append(
+            f"  {w['name']}  host={w['host']} gpus={w.get('gpus') or '-'} model={w['model']}"
+            f" in_flight={w['in_flight']}/{w['concurrency']} done={w['jobs_done']}"
+            f" up={up:.0f}s"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- results
+@cli.command()
+@click.argument("batch")
+@click.option(
+    "--out", "out_path", type=click.Path(dir_okay=False), help="Write here instead of stdout."
+)
+@click.option(
+    "--errors",
+    "errors_path",
+    type=click.Path(dir_okay=False),
+    help="Write failed jobs here instead of with the rest.",
+)
+@click.option("--wait", is_flag=True, help="Follow the batch until its last result.")
+@click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
+@click.pass_obj
+def results(
+    obj: Ctx,
+    batch: str,
+    out_path: str | None,
+    errors_path: str | None,
+    wait: bool,
+    timeout: float | None,
+) -> None:
+    """Write a batch's results as JSONL (OpenAI batch output lines for OpenAI-format jobs)."""
+    from .client import BatchNotFound, WaitTimeout
+
+    client = obj.client
+    try:
+        client.batch(batch).status()
+    except BatchNotFound as exc:
+        fail(str(exc), RET_NOT_FOUND)
+    with ExitStack() as stack:
+        out = stack.enter_context(open(out_path, "w")) if out_path else sys.stdout
+        errors = stack.enter_context(open(errors_path, "w")) if errors_path else None
+        it = client.batch(batch).results(timeout=timeout) if wait else client.store.iter_all(batch)
+        try:
+            for res in it:
+                _write_result(res, out, errors)
+        except WaitTimeout as exc:
+            fail(str(exc), RET_TIMEOUT)
+
+
+# ----------------------------------------------------------------------------------- schema
+@cli.command()
+@click.option(
+    "--kind",
+    type=click.Choice(["job", "result", "openai"]),
+    default="job",
+    show_default=True,
+    help="Which model's JSON Schema.",
+)
+def schema(kind: str) -> None:
+    """Print the JSON Schema of an input line (or of a result), for non-Python producers."""
+    from schemas import BatchRequestInput
+
+    if kind == "job":
+        out = job_json_schema()
+    elif kind == "result":
+        out = JobResult.model_json_schema()
+    else:
+        out = BatchRequestInput.model_json_schema()
+    click.echo(json.dumps(out, indent=2))
+
+
+# ----------------------------------------------------------------------------------- worker
+@cli.command(context_settings={"ignore_unknown_options": True})
+@click.option(
+    "--gpus", help="GPU ids for this worker, e.g. 0 or 0,1 (tensor parallel) [env VQUEUE_GPUS]"
+)
+@click.option("--model", help="HF id or local path [env VQUEUE_MODEL]")
+@click.option("-c", "--concurrency", type=int, help="Jobs held at once [env VQUEUE_CONCURRENCY]")
+@click.option("-n", "--hostname", help="Celery node name (default vqueue-gpuN@host)")
+@click.option("-l", "--loglevel", default="INFO", show_default=True)
+@click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_obj
+def worker(
+    obj: Ctx,
+    gpus: str | None,
+    model: str | None,
+    concurrency: int | None,
+    hostname: str | None,
+    loglevel: str,
+    celery_args: tuple[str, ...],
+) -> None:
+    """Start a worker: one Celery process hosting one persistent vLLM engine.
+
+    Extra arguments go to 'celery worker' unchanged.
+    """
+    s = obj.settings
+    env = dict(os.environ)
+    env["VQUEUE_BROKER_URL"], env["VQUEUE_QUEUE"] = s.broker_url, s.queue
+    gpus = gpus or s.gpus
+    if gpus is not None:
+        ids = [g.strip() for g in gpus.split(",") if g.strip()]
+        if not ids or not all(g.isdigit() for g in ids):
+            fail(f"--gpus takes GPU ids like 0 or 0,1, not {gpus!r}", RET_USAGE)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+        env.setdefault("VQUEUE_TENSOR_PARALLEL_SIZE", str(len(ids)))
+    if model:
+        env["VQUEUE_MODEL"] = model
+    if concurrency:
+        env["VQUEUE_CONCURRENCY"] = str(concurrency)
+    # vLLM starts its engine core as a child process; fork in a threaded process can deadlock.
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    ws = Settings(
+        _env_file=None,
+        **{
+            k[7:].lower(): v
+            for k, v in env.items()
+            if k.startswith("VQUEUE_") and k[7:].lower() in Settings.model_fields
+        },
+    )
+    name = hostname or (f"vqueue-gpu{gpus.replace(',', '-')}@%h" if gpus else "vqueue@%h")
+    argv = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "worker.app",
+        "worker",
+        # threads, not prefork: the engine lives in this process and vLLM must spawn children
+        "--pool",
+        "threads",
+        "--concurrency",
+        str(ws.worker_concurrency()),
+        "--queues",
+        ws.queue,
+        "--hostname",
+        name,
+        "--loglevel",
+        loglevel,
+        "--task-events",
+        "--without-mingle",
+        "--without-gossip",
+        *celery_args,
+    ]
+    os.execvpe(argv[0], argv, env)
+
+
+def main() -> None:
+    cli(prog_name="vqueue")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Reading JSONL input: each line becomes a job or a numbered, specific error.
+
+A bad line never stops the file: it is reported with its line number and the rest go on.
+Lines are vqueue jobs (``{"type": "summarize", ...}``) or OpenAI Batch API requests
+(``{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}``);
+a file may mix both.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Literal
+
+from pydantic import TypeAdapter, ValidationError
+
+from schemas import JOB_TYPES, BatchRequestInput, Job
+
+# A line larger than this is refused unread: it cannot be a sane job (texts are capped at 1M chars).
+MAX_LINE_BYTES = 8 * 1024 * 1024
+
+_job_adapter: TypeAdapter[Any] = TypeAdapter(Job)
+
+
+@dataclass
+class Parsed:
+    line: int
+    job: Any = None  # a Job model when the line is good
+    format: Literal["vqueue", "openai"] = "vqueue"
+    model: str | None = None  # OpenAI lines: body.model, echoed back
+    error: str | None = None
+    custom_id: str | None = None  # the line's id, when one could be read, for the errors file
+
+
+def parse_lines(lines: Iterable[bytes], default_priority: int | None = None) -> Iterator[Parsed]:
+    """Parse raw lines (bytes, so invalid UTF-8 is reported, not raised); skips blank lines."""
+    seen: set[str] = set()
+    for n, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        p = parse_line(n, raw, default_priority)
+        if p.job is not None:
+            if p.job.id in seen:
+                p = Parsed(
+                    n, error=f"duplicate job id {p.job.id!r} in this batch", custom_id=p.job.id
+                )
+            else:
+                seen.add(p.job.id)
+        yield p
+
+
+def read_lines(fh: BinaryIO) -> Iterator[bytes]:
+    """Lines of ``fh`` with over-long ones cut to a marker, never held whole in memory."""
+    while True:
+        line = fh.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            while True:  # skip the rest of the over-long line
+                rest = fh.readline(1 << 20)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            yield b"\0TOO_LONG"
+        else:
+            yield line
+
+
+def parse_line(n: int, raw: bytes, default_priority: int | None = None) -> Parsed:
+    if raw == b"\0TOO_LONG" or len(raw) > MAX_LINE_BYTES:
+        return Parsed(n, error=f"line is longer than {MAX_LINE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return Parsed(n, error=f"not valid UTF-8 at byte {exc.start}")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return Parsed(n, error=f"not valid JSON: {exc.msg} at column {exc.colno}")
+    if not isinstance(obj, dict):
+        return Parsed(n, error=f"a line must be a JSON object, got {type(obj).__name__}")
+    ident = obj.get("custom_id", obj.get("id"))
+    ident = ident if isinstance(ident, str) else None
+    try:
+        if "custom_id" in obj:
+            req = BatchRequestInput.model_validate(obj)
+            job = req.to_job(priority=default_priority or 0)
+            return Parsed(n, job=job, format="openai", model=req.body.model, custom_id=ident)
+        if default_priority is not None and "priority" not in obj:
+            obj["priority"] = default_priority
+        if "type" not in obj:
+            return Parsed(
+                n, error=f"missing field 'type' (one of {', '.join(JOB_TYPES)})", custom_id=ident
+            )
+        if obj["type"] not in JOB_TYPES:
+            return Parsed(
+                n,
+                error=f"unknown job type {obj['type']!r} (expected one of {', '.join(JOB_TYPES)})",
+                custom_id=ident,
+            )
+        return Parsed(n, job=_job_adapter.validate_python(obj), custom_id=ident)
+    except ValidationError as exc:
+        return Parsed(n, error=describe(exc), custom_id=ident)
+    except ValueError as exc:
+        return Parsed(n, error=str(exc), custom_id=ident)
+
+
+def describe(exc: ValidationError) -> str:
+    """Pydantic's errors as one line, ``field.path: message; ...``, without the type tag."""
+    parts = []
+    for err in exc.errors(include_url=False):
+        loc = [str(x) for x in err["loc"] if str(x) not in JOB_TYPES]
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{'.'.join(loc) or '(line)'}: {msg}")
+    return "; ".join(parts)

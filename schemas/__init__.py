@@ -1,0 +1,52 @@
+"""The contract between producers and workers: pydantic models only, no I/O."""
+
+from .jobs import (
+    JOB_TYPES,
+    ChatJob,
+    ChatMessage,
+    CodegenJob,
+    Envelope,
+    ExtractJob,
+    Job,
+    JobType,
+    SummarizeJob,
+    new_job_id,
+)
+from .openai import BatchRequestInput, output_line, rejected_line
+from .results import ERROR_TYPES, BatchStatus, JobError, JobResult, Timings, Usage
+from .settings import Settings, get_settings
+
+__all__ = [
+    "ERROR_TYPES",
+    "JOB_TYPES",
+    "BatchRequestInput",
+    "BatchStatus",
+    "ChatJob",
+    "ChatMessage",
+    "CodegenJob",
+    "Envelope",
+    "ExtractJob",
+    "Job",
+    "JobError",
+    "JobResult",
+    "JobType",
+    "Settings",
+    "SummarizeJob",
+    "Timings",
+    "Usage",
+    "get_settings",
+    "job_json_schema",
+    "new_job_id",
+    "output_line",
+    "rejected_line",
+]
+
+
+def job_json_schema() -> dict:
+    """JSON Schema of one input line (vqueue job), for producers in other languages."""
+    from pydantic import TypeAdapter
+
+    schema = TypeAdapter(Job).json_schema()
+    schema["title"] = "vqueue job"
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    return schema

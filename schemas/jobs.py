@@ -1,0 +1,143 @@
+"""The jobs producers enqueue: one model per job type, discriminated on ``type``.
+
+These models are the wire contract. Producers validate every line before it reaches Redis, so a
+worker only ever sees jobs that parse; anything a worker can still reject (a prompt longer than
+the model's context) is reported per job as a failed ``JobResult``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal
+
+import jsonschema
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Bounds that keep one hostile line from costing the fleet more than its own failure.
+MAX_TEXT_CHARS = 1_000_000  # ~250k tokens: larger than any context we serve, still bounded
+MAX_SCHEMA_CHARS = 64_000  # a JSON Schema this large is a mistake, and compiling it is costly
+MAX_SCHEMA_DEPTH = 32  # grammar compilation recurses; deeper schemas are rejected at submit
+MAX_OUTPUT_TOKENS = 32_768  # above any max_model_len we configure by default
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+class ChatMessage(BaseModel):
+    """One OpenAI-style chat message; only plain-text content is accepted."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=MAX_TEXT_CHARS)
+
+
+class _JobBase(BaseModel):
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+
+    id: str = Field(default_factory=new_job_id, min_length=1, max_length=256)
+    # 0..9, higher runs first (Redis priority lists in the broker)
+    priority: int = Field(default=0, ge=0, le=9)
+    # None means the per-type default from the worker's settings
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_OUTPUT_TOKENS)
+    # batch work wants reproducible output, so greedy by default
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    # echoed back untouched on the result: the caller's own bookkeeping
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+def _check_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """Reject schemas that are invalid or too large/deep to compile, naming the problem."""
+    import json
+
+    size = len(json.dumps(schema))
+    if size > MAX_SCHEMA_CHARS:
+        raise ValueError(f"json_schema is {size} characters; the limit is {MAX_SCHEMA_CHARS}")
+    depth = _depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"json_schema nests {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise ValueError(
+            f"json_schema is not a valid JSON Schema at {where}: {exc.message}"
+        ) from None
+    return schema
+
+
+def _depth(node: Any, level: int = 0) -> int:
+    if level > MAX_SCHEMA_DEPTH:  # stop walking: the answer is already "too deep"
+        return level
+    if isinstance(node, dict):
+        return max((_depth(v, level + 1) for v in node.values()), default=level)
+    if isinstance(node, list):
+        return max((_depth(v, level + 1) for v in node), default=level)
+    return level
+
+
+class SummarizeJob(_JobBase):
+    """Summarize ``text``; ``max_words`` and ``style`` shape the instruction."""
+
+    type: Literal["summarize"]
+    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
+    max_words: int | None = Field(default=None, ge=1, le=5000)
+    # free-form: "bullet points", "one sentence", "for a lawyer"...
+    style: str | None = Field(default=None, max_length=200)
+
+
+class ExtractJob(_JobBase):
+    """Extract data from ``text`` as JSON that satisfies ``json_schema`` (guided decoding)."""
+
+    type: Literal["extract"]
+    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
+    json_schema: dict[str, Any]
+    # what to extract, in words; the schema alone is often enough
+    instruction: str | None = Field(default=None, max_length=4000)
+
+    _schema_ok = field_validator("json_schema")(_check_json_schema)
+
+
+class CodegenJob(_JobBase):
+    """Write code in ``language`` following ``instruction``, optionally against ``context`` code."""
+
+    type: Literal["codegen"]
+    instruction: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
+    language: str = Field(default="python", min_length=1, max_length=40)
+    context: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+
+
+class ChatJob(_JobBase):
+    """Raw chat messages, the path OpenAI Batch API lines take; ``json_schema`` when the line
+    asked for ``response_format: json_schema``, ``json_object`` for ``response_format:
+    json_object``."""
+
+    type: Literal["chat"]
+    messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+    json_schema: dict[str, Any] | None = None
+    json_object: bool = False
+
+    _schema_ok = field_validator("json_schema")(lambda v: v if v is None else _check_json_schema(v))
+
+
+Job = Annotated[SummarizeJob | ExtractJob | CodegenJob | ChatJob, Field(discriminator="type")]
+JobType = Literal["summarize", "extract", "codegen", "chat"]
+JOB_TYPES: tuple[str, ...] = ("summarize", "extract", "codegen", "chat")
+
+
+class Envelope(BaseModel):
+    """What travels in the Celery message: the job plus the bookkeeping the producer adds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job: Job
+    batch: str
+    # "openai" when the line came in OpenAI Batch API form: results go back out in that form
+    format: Literal["vqueue", "openai"] = "vqueue"
+    # the OpenAI request's "model" field, echoed in the response body
+    model: str | None = None
+    enqueued_at: float

@@ -1,0 +1,143 @@
+"""The Celery app, its configuration, and the worker lifecycle that owns the engine.
+
+Importing this module is cheap (no vLLM, no torch): producers use ``create_app`` to send tasks.
+The engine is built by the ``worker_init`` signal, before the worker consumes anything, and closed
+by ``worker_shutdown``; that is the shape of arq's ``on_startup``/``on_shutdown``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from celery import Celery, signals
+
+from schemas import JOB_TYPES, Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+# Named exit codes (dramatiq's habit): a supervisor can tell a broken engine from a clean stop.
+EXIT_ENGINE = 3
+
+
+def task_name(job_type: str) -> str:
+    """One Celery task per job type, so Flower and metrics read ``vqueue.extract`` etc."""
+    return f"vqueue.{job_type}"
+
+
+def redis_priority(priority: int) -> int:
+    """Job priority is 'higher runs first'; kombu's Redis lists are consumed lowest first."""
+    return 9 - priority
+
+
+def create_app(settings: Settings | None = None) -> Celery:
+    s = settings or get_settings()
+    app = Celery("vqueue", broker=s.broker_url, backend=s.backend_url())
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        # Acknowledge after the result is stored: a worker lost mid-job means redelivery.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,
+        # Prefetch equals the threads pool size: every held job is in the engine at once.
+        worker_prefetch_multiplier=1,
+        task_default_queue=s.queue,
+        task_routes={task_name(t): {"queue": s.queue} for t in JOB_TYPES},
+        broker_transport_options={
+            "visibility_timeout": s.visibility_timeout_s,
+            "priority_steps": list(range(10)),
+            "sep": ":",
+            "queue_order_strategy": "priority",
+        },
+        broker_connection_retry_on_startup=True,
+        result_expires=s.result_ttl_s,
+        # Flower's view: sent/started events and per-type task names.
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        task_track_started=True,
+        worker_hijack_root_logger=False,
+    )
+    return app
+
+
+settings = get_settings()
+app = create_app(settings)
+app.conf.imports = ("worker.tasks",)
+
+
+class _WorkerState:
+    """Process-wide: the engine and the heartbeat that advertises it."""
+
+    engine: Any = None
+    name: str = ""
+    stop = threading.Event()
+
+
+state = _WorkerState()
+
+
+@signals.worker_init.connect
+def _build_engine(sender: Any = None, **_: Any) -> None:
+    from .engine import EngineHost
+
+    try:
+        state.engine = EngineHost(settings)
+    except BaseException:
+        log.exception("the vLLM engine failed to start; exiting %d", EXIT_ENGINE)
+        os._exit(EXIT_ENGINE)  # Celery would log a handler's exception and carry on without it
+
+
+@signals.worker_ready.connect
+def _start_heartbeat(sender: Any = None, **_: Any) -> None:
+    state.name = getattr(sender, "hostname", None) or f"vqueue@{socket.gethostname()}"
+    threading.Thread(target=_heartbeat, name="vqueue-heartbeat", daemon=True).start()
+
+
+@signals.worker_shutdown.connect
+def _close_engine(**_: Any) -> None:
+    state.stop.set()
+    try:
+        _store().forget_worker(state.name)
+    except Exception:
+        pass
+    if state.engine is not None:
+        state.engine.close()
+
+
+def _store() -> Any:
+    from producer.store import BatchStore
+
+    return BatchStore.from_url(settings.backend_url(), settings.key_prefix, settings.result_ttl_s)
+
+
+def _heartbeat() -> None:
+    """Liveness as a Redis key with a TTL (arq's health check): gone means dead or stopped."""
+    store = _store()
+    while not state.stop.is_set():
+        e = state.engine
+        info = {
+            "name": state.name,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "queue": settings.queue,
+            "model": e.model_name if e else settings.model,
+            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "concurrency": settings.worker_concurrency(),
+            "in_flight": e.in_flight if e else 0,
+            "max_in_flight": e.max_in_flight if e else 0,
+            "jobs_done": e.jobs_done if e else 0,
+            "started_at": e.started_at if e else None,
+            "updated_at": time.time(),
+        }
+        try:
+            store.heartbeat(state.name, info, ttl_s=3 * settings.heartbeat_s)
+        except Exception as exc:  # Redis restarting: keep trying, the worker itself is fine
+            log.warning("heartbeat failed: %s", exc)
+        state.stop.wait(settings.heartbeat_s)

@@ -1,0 +1,172 @@
+"""The engine host: one persistent vLLM ``AsyncLLM`` per worker process.
+
+Celery's threads pool runs many jobs at once; each task thread hands its request to the engine's
+own asyncio loop (running in a dedicated thread) and blocks on the answer. Every job a worker holds
+is therefore inside one engine at the same time, which is what lets vLLM's continuous batching and
+prefix cache do their work. The engine is built once, at worker start, and never per job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from schemas import Settings
+
+from .models import resolve_model
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# CPU hosts have no GPU memory to take a fraction of; the KV cache is sized in bytes instead.
+CPU_DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+# Without AVX-512 bf16 is emulated on the CPU, many times slower than float32.
+CPU_DEFAULT_DTYPE = "float32"
+
+
+class EngineError(RuntimeError):
+    """The engine refused or failed one request; the job fails, the worker carries on."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    first_token_at: float | None  # wall clock, from the engine's own request stats
+
+
+class EngineHost:
+    """Owns the vLLM engine, its event loop thread and the tokenizer used for prompt building."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.model_path = resolve_model(settings.model)
+        self.model_name = settings.served_model_name or settings.model
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="vllm-loop", daemon=True
+        )
+        self._thread.start()
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.jobs_done = 0
+        self.started_at = time.time()
+        self.engine = self._call(self._build())
+        self.tokenizer = self.engine.get_tokenizer()
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        s = self.settings
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path,
+            served_model_name=self.model_name,
+            max_model_len=s.max_model_len,
+            max_num_seqs=s.max_num_seqs,
+            dtype=s.dtype if s.dtype != "auto" or _has_cuda() else CPU_DEFAULT_DTYPE,
+            tensor_parallel_size=s.tensor_parallel_size,
+            enforce_eager=s.enforce_eager if s.enforce_eager is not None else not _has_cuda(),
+            enable_prefix_caching=s.enable_prefix_caching,
+            seed=s.seed,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+        )
+        from vllm.config import StructuredOutputsConfig
+
+        # Small models pad guided JSON with whitespace until max_tokens; forbid it engine-wide
+        # (in vLLM >= 0.26 this is engine config, the per-request flag is not consulted).
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(
+            backend=s.structured_outputs_backend, disable_any_whitespace=True
+        )
+        if s.max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
+        kv_bytes = s.kv_cache_memory_bytes
+        if kv_bytes is None and not _has_cuda():
+            kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+        if kv_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_bytes
+        return kwargs
+
+    async def _build(self) -> Any:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = self.engine_kwargs()
+        log.info("starting vLLM engine: %s", kwargs)
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` rendered with the model's own chat template."""
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def generate(self, prompt_ids: list[int], params: Any) -> Generation:
+        """Run one request to completion; blocks the calling (task) thread, not the engine."""
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return self._call(self._generate(prompt_ids, params))
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+                self.jobs_done += 1
+
+    async def _generate(self, prompt_ids: list[int], params: Any) -> Generation:
+        # A fresh id per call: vLLM refuses a reused id, and a retry must never collide.
+        request_id = uuid.uuid4().hex
+        final = None
+        try:
+            async for out in self.engine.generate(
+                {"prompt_token_ids": prompt_ids}, params, request_id
+            ):
+                final = out
+        except asyncio.CancelledError:
+            await self.engine.abort(request_id)
+            raise
+        except Exception as exc:  # vLLM's own validation errors, engine-side failures
+            raise EngineError(f"{type(exc).__name__}: {exc}") from exc
+        if final is None or not final.outputs:
+            raise EngineError("the engine returned no output")
+        choice = final.outputs[0]
+        first = None
+        stats = getattr(final, "metrics", None)
+        if stats is not None and getattr(stats, "first_token_latency", 0.0):
+            first = stats.arrival_time + stats.first_token_latency
+        return Generation(
+            text=choice.text,
+            finish_reason=choice.finish_reason,
+            prompt_tokens=len(final.prompt_token_ids or prompt_ids),
+            completion_tokens=len(choice.token_ids),
+            first_token_at=first,
+        )
+
+    def close(self) -> None:
+        try:
+            self.engine.shutdown()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False

@@ -1,0 +1,70 @@
+"""Thin Celery tasks: read the envelope, run the job, store the result, return a short summary.
+
+The summary (not the output) is what Flower and Celery's result backend see; the full result is in
+the batch's stream (``producer.store``). A job whose result is already stored is not run again,
+so a redelivery after a lost acknowledgement costs a lookup, not a generation.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Task
+from pydantic import ValidationError
+
+from schemas import JOB_TYPES, Envelope, JobError, JobResult, Timings
+
+from .app import app, settings, state, task_name
+
+log = logging.getLogger(__name__)
+_store: Any = None
+
+
+def store() -> Any:
+    global _store
+    if _store is None:
+        from producer.store import BatchStore
+
+        _store = BatchStore.from_url(
+            settings.backend_url(), settings.key_prefix, settings.result_ttl_s
+        )
+    return _store
+
+
+def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
+    from .runner import run_job
+
+    try:
+        env = Envelope.model_validate(payload)
+    except ValidationError as exc:
+        # Producers validate first, so this is a hand-made message: fail it, never crash.
+        job = payload.get("job") if isinstance(payload, dict) else None
+        result = JobResult(
+            id=str((job or {}).get("id", task.request.id)),
+            batch=str(payload.get("batch", "unknown")) if isinstance(payload, dict) else "unknown",
+            type=str((job or {}).get("type", "unknown")),
+            status="failed",
+            timings=Timings(enqueued_at=0.0),
+            worker=task.request.hostname,
+            error=JobError(type="invalid_job", message=str(exc).splitlines()[0]),
+        )
+    else:
+        if store().result(env.batch, env.job.id) is not None:
+            return {"id": env.job.id, "status": "duplicate"}
+        result = run_job(env, state.engine, settings, task.request.hostname or state.name)
+    store().record(result)
+    summary = {"id": result.id, "status": result.status, "tokens": result.usage.completion_tokens}
+    if result.error:
+        summary["error"] = result.error.type
+    return summary
+
+
+def _register(job_type: str) -> None:
+    @app.task(name=task_name(job_type), bind=True)
+    def _task(self: Task, payload: dict[str, Any]) -> dict[str, Any]:
+        return run(self, payload)
+
+
+for _t in JOB_TYPES:
+    _register(_t)
