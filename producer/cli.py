@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
-from typing import IO, Any, NoReturn
+from typing import IO, Any, BinaryIO, NoReturn
 
 import click
 import redis
@@ -126,7 +126,7 @@ def submit(
     if (out_path or errors_path) and not wait:
         fail("--out and --errors need --wait (or use 'vqueue results BATCH' later)", RET_USAGE)
     try:
-        fh: IO[bytes] = sys.stdin.buffer if file == "-" else open(file, "rb")  # noqa: SIM115
+        fh: BinaryIO = sys.stdin.buffer if file == "-" else open(file, "rb")  # noqa: SIM115
     except OSError as exc:
         fail(f"cannot read {file}: {exc.strerror}", RET_INPUT)
     client = obj.client
@@ -175,6 +175,7 @@ def submit(
                 err=True,
             )
         if good == 0:
+            client.store.delete(batch)
             fail(
                 f"{file}: no valid job in {rejected} non-blank lines; nothing was enqueued"
                 if rejected
@@ -322,6 +323,7 @@ def _fleet_status(client: Any, as_json: bool) -> str:
 )
 @click.option("--wait", is_flag=True, help="Follow the batch until its last result.")
 @click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
+@click.option("--table", is_flag=True, help="A readable table instead of JSONL.")
 @click.pass_obj
 def results(
     obj: Ctx,
@@ -330,6 +332,7 @@ def results(
     errors_path: str | None,
     wait: bool,
     timeout: float | None,
+    table: bool,
 ) -> None:
     """Write a batch's results as JSONL (OpenAI batch output lines for OpenAI-format jobs)."""
     from .client import BatchNotFound, WaitTimeout
@@ -344,10 +347,64 @@ def results(
         errors = stack.enter_context(open(errors_path, "w")) if errors_path else None
         it = client.batch(batch).results(timeout=timeout) if wait else client.store.iter_all(batch)
         try:
+            if table:
+                out.write(render_table(sorted(it, key=lambda r: r.id)) + "\n")
+                return
             for res in it:
                 _write_result(res, out, errors)
         except WaitTimeout as exc:
             fail(str(exc), RET_TIMEOUT)
+
+
+def render_table(rows: list[JobResult], width: int = 60) -> str:
+    """One line per job: what it was, how it ended, how long it took, what it said."""
+    head = f"{'id':<12} {'type':<10} {'status':<10} {'tokens':>6} {'secs':>6}  output"
+    lines = [head, "-" * (len(head) + width - 6)]
+    for r in rows:
+        t = r.timings
+        secs = (t.finished_at - t.enqueued_at) if t.finished_at else 0.0
+        if r.error:
+            shown = f"{r.error.type}: {r.error.message}"
+        elif r.data is not None:
+            shown = json.dumps(r.data, ensure_ascii=False)
+        else:
+            shown = r.code if r.code is not None else (r.text or "")
+        shown = " ".join(shown.split())
+        shown = shown if len(shown) <= width else shown[: width - 1] + "…"
+        lines.append(
+            f"{r.id[:12]:<12} {r.type:<10} {r.status:<10} "
+            f"{r.usage.completion_tokens:>6} {secs:>6.1f}  {shown}"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------- ping
+@cli.command()
+@click.option(
+    "--timeout",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Wait up to this long for a worker (0: answer at once).",
+)
+@click.option("--min-workers", type=int, default=1, show_default=True)
+@click.pass_obj
+def ping(obj: Ctx, timeout: float, min_workers: int) -> None:
+    """Exit 0 when at least MIN_WORKERS live workers consume the queue (a health probe)."""
+    client = obj.client
+    deadline = time.monotonic() + timeout
+    while True:
+        live = [w for w in client.store.workers() if w.get("queue") == client.settings.queue]
+        if len(live) >= min_workers:
+            click.echo(f"{len(live)} live worker(s) on queue {client.settings.queue}")
+            return
+        if time.monotonic() >= deadline:
+            fail(
+                f"{len(live)} live worker(s) on queue {client.settings.queue}, "
+                f"wanted {min_workers}",
+                RET_TIMEOUT,
+            )
+        time.sleep(0.5)
 
 
 # ----------------------------------------------------------------------------------- schema
@@ -412,14 +469,7 @@ def worker(
         env["VQUEUE_CONCURRENCY"] = str(concurrency)
     # vLLM starts its engine core as a child process; fork in a threaded process can deadlock.
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    ws = Settings(
-        _env_file=None,
-        **{
-            k[7:].lower(): v
-            for k, v in env.items()
-            if k.startswith("VQUEUE_") and k[7:].lower() in Settings.model_fields
-        },
-    )
+    ws = s.model_copy(update={"concurrency": concurrency} if concurrency else {})
     name = hostname or (f"vqueue-gpu{gpus.replace(',', '-')}@%h" if gpus else "vqueue@%h")
     argv = [
         sys.executable,

@@ -70,6 +70,9 @@ class BatchStore:
         if rejected:
             pipe.hincrby(self.key(batch), "rejected", rejected)
 
+    def delete(self, batch: str) -> None:
+        self.r.delete(self.key(batch), self.key(batch, "done"), self.key(batch, "results"))
+
     def seal(self, batch: str) -> None:
         """Mark submission finished: from now on ``total`` is final, and waiting can end."""
         self.r.hset(self.key(batch), "sealed", 1)

@@ -55,7 +55,7 @@ def _pings(client: redis.Redis) -> bool:
         return False
 
 
-def test_settings(queue: str, **extra: object) -> Settings:
+def make_settings(queue: str, **extra: object) -> Settings:
     return Settings(_env_file=None, broker_url=REDIS_URL, queue=queue, key_prefix="vqtest", **extra)
 
 
@@ -133,7 +133,7 @@ def worker(redis_client: redis.Redis) -> Iterator[WorkerProc]:
 def client(worker: WorkerProc):
     from producer import Client
 
-    return Client(test_settings(worker.queue))
+    return Client(make_settings(worker.queue))
 
 
 def run_cli(

@@ -82,7 +82,8 @@ class EngineHost:
         # Small models pad guided JSON with whitespace until max_tokens; forbid it engine-wide
         # (in vLLM >= 0.26 this is engine config, the per-request flag is not consulted).
         kwargs["structured_outputs_config"] = StructuredOutputsConfig(
-            backend=s.structured_outputs_backend, disable_any_whitespace=True
+            backend=s.structured_outputs_backend,  # type: ignore[arg-type]  # checked by vLLM
+            disable_any_whitespace=True,
         )
         if s.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
@@ -145,7 +146,7 @@ class EngineHost:
         choice = final.outputs[0]
         first = None
         stats = getattr(final, "metrics", None)
-        if stats is not None and getattr(stats, "first_token_latency", 0.0):
+        if stats is not None and getattr(stats, "first_token_latency", None):
             first = stats.arrival_time + stats.first_token_latency
         return Generation(
             text=choice.text,

@@ -69,7 +69,7 @@ def _convert(out: Path) -> None:
     print(f"vqueue: converting {_GGUF_NAME} into {out} (once)", file=sys.stderr)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_NAME, dtype=torch.bfloat16)
     # The GGUF loader dequantizes into bf16 but leaves a quantizer attached that refuses to save.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(tmp)

@@ -1,0 +1,12 @@
+# vqueue on a CUDA host: vLLM's own image brings CUDA, torch and vLLM; we add the queue.
+FROM vllm/vllm-openai:v0.26.0
+ARG EXTRAS=gpu,flower
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY schemas schemas
+COPY producer producer
+COPY worker worker
+COPY examples examples
+RUN pip install --no-cache-dir -e ".[${EXTRAS}]"
+ENTRYPOINT []
+CMD ["vqueue", "--help"]

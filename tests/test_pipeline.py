@@ -1,0 +1,283 @@
+"""End to end on the real parts: Redis, a ``vqueue worker`` process, vLLM, SmolLM2-135M."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from producer import AsyncClient, Client
+from schemas import CodegenJob, ExtractJob, SummarizeJob
+
+from .conftest import make_settings, run_cli
+
+pytestmark = pytest.mark.engine
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0},
+        "city": {"type": "string"},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+def test_three_job_types_complete(client: Client) -> None:
+    # Given one job of each type
+    jobs = [
+        SummarizeJob(
+            type="summarize",
+            id="s",
+            max_words=20,
+            max_tokens=48,
+            text="The river flooded the valley after a week of rain. Farmers moved "
+            "their animals to the hills and the town opened a shelter in the school.",
+        ),
+        ExtractJob(
+            type="extract",
+            id="e",
+            max_tokens=64,
+            json_schema=PERSON,
+            text="Tom Baker, 52, lives in Leeds and teaches history.",
+        ),
+        CodegenJob(
+            type="codegen",
+            id="c",
+            max_tokens=96,
+            metadata={"ticket": 17},
+            instruction="Write a Python function add(a, b) that returns a + b.",
+        ),
+    ]
+    # When they go through the queue
+    batch = client.submit_many(jobs)
+    results = {r.id: r for r in batch.results(timeout=300)}
+    # Then all three complete, with their type's output and full bookkeeping
+    assert {r.status for r in results.values()} == {"completed"}, results
+    s, e, c = results["s"], results["e"], results["c"]
+    assert s.text and s.finish_reason in ("stop", "length")
+    jsonschema.validate(e.data, PERSON)
+    assert json.loads(e.text or "") == e.data
+    assert c.code and "def add" in c.code and "```" not in c.code
+    assert c.metadata == {"ticket": 17}
+    for r in results.values():
+        assert r.worker == "w1@test" and r.batch == batch.id
+        assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+        t = r.timings
+        assert (
+            t.enqueued_at <= (t.started_at or 0) <= (t.first_token_at or 0) <= (t.finished_at or 0)
+        )
+    st = batch.status()
+    assert (st.total, st.completed, st.failed) == (3, 3, 0)
+
+
+def test_jobs_run_concurrently_in_one_engine(client: Client) -> None:
+    # Given eight jobs submitted at once to one worker (one engine)
+    jobs = [
+        SummarizeJob(
+            type="summarize",
+            id=f"j{i}",
+            max_tokens=40,
+            temperature=0.7,
+            seed=i,
+            text=f"Item {i}: the shop sold {i * 3} lamps and {i + 2} chairs on Monday.",
+        )
+        for i in range(8)
+    ]
+    results = list(client.submit_many(jobs).results(timeout=300))
+    assert len(results) == 8 and all(r.status == "completed" for r in results)
+    # Then every job had its first token before the earliest one finished: the engine held
+    # them all at once (continuous batching), instead of running them one after another.
+    first_done = min(r.timings.finished_at or 0 for r in results)
+    in_flight = [r for r in results if (r.timings.first_token_at or 1e20) < first_done]
+    assert len(in_flight) >= 6, [(r.timings.first_token_at, r.timings.finished_at) for r in results]
+    assert {r.worker for r in results} == {"w1@test"}
+
+
+def test_single_job_submit_and_wait(client: Client) -> None:
+    batch = client.submit(
+        {"type": "summarize", "id": "one", "text": "Cats sleep a lot.", "max_tokens": 24}
+    )
+    res = batch.result("one", timeout=120)
+    assert res.status == "completed" and res.text
+
+
+def test_async_client(client: Client) -> None:
+    async def go() -> list:
+        ac = AsyncClient(make_settings(client.settings.queue))
+        try:
+            b = await ac.submit_many(
+                [
+                    {
+                        "type": "summarize",
+                        "id": f"a{i}",
+                        "text": f"Note {i}: buy milk.",
+                        "max_tokens": 16,
+                    }
+                    for i in range(3)
+                ]
+            )
+            return [r async for r in ac.results(b, timeout=120)]
+        finally:
+            await ac.aclose()
+
+    results = asyncio.run(go())
+    assert sorted(r.id for r in results) == ["a0", "a1", "a2"]
+    assert all(r.status == "completed" for r in results)
+
+
+def test_openai_batch_file_round_trips(tmp_path: Path) -> None:
+    # Given an OpenAI Batch API input file, one line asking for a JSON schema
+    place = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    lines = [
+        {
+            "custom_id": "q1",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "smol",
+                "max_tokens": 24,
+                "messages": [{"role": "user", "content": "Say hello."}],
+            },
+        },
+        {
+            "custom_id": "q2",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "smol",
+                "max_tokens": 32,
+                "messages": [{"role": "user", "content": "Where is the Eiffel Tower?"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "place", "schema": place},
+                },
+            },
+        },
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    # When it is submitted with --wait
+    proc = run_cli("submit", str(src), "--wait", "--out", str(out), "--errors", str(err), "-q")
+    assert proc.returncode == 0, proc.stderr.decode()
+    # Then the output file is OpenAI batch output, one line per custom_id, nothing in errors
+    got = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
+    assert set(got) == {"q1", "q2"} and err.read_text() == ""
+    for line in got.values():
+        assert set(line) == {"id", "custom_id", "response", "error"} and line["error"] is None
+        assert line["response"]["status_code"] == 200
+        body = line["response"]["body"]
+        assert body["object"] == "chat.completion" and body["model"] == "smol"
+        assert body["choices"][0]["message"]["content"]
+        assert body["usage"]["total_tokens"] > 0
+    data = json.loads(got["q2"]["response"]["body"]["choices"][0]["message"]["content"])
+    jsonschema.validate(data, place)
+    # and the batch id on stdout reads the same results back
+    batch = proc.stdout.decode().strip()
+    again = run_cli("results", batch)
+    assert {json.loads(x)["custom_id"] for x in again.stdout.decode().splitlines()} == {"q1", "q2"}
+
+
+def test_bad_input_costs_nothing_else(tmp_path: Path) -> None:
+    # Given a file mixing good jobs with every kind of bad line
+    long_text = " ".join(["The committee reviewed the annual budget in detail."] * 400)
+    rows = [
+        json.dumps(
+            {"id": "good1", "type": "summarize", "text": "Bees make honey.", "max_tokens": 16}
+        ),
+        '{"id": "broken", "type": "summarize", "text": "unterminated',
+        json.dumps({"id": "alien", "type": "translate", "text": "hola"}),
+        json.dumps({"id": "nofield", "type": "extract", "text": "no schema here"}),
+        json.dumps(
+            {
+                "id": "badschema",
+                "type": "extract",
+                "text": "x",
+                "json_schema": {"type": "object", "required": "name"},
+            }
+        ),
+        json.dumps({"id": "toolong", "type": "summarize", "text": long_text}),
+        json.dumps(
+            {
+                "id": "good2",
+                "type": "extract",
+                "text": "Ann Lee, 30, from Oslo.",
+                "json_schema": PERSON,
+                "max_tokens": 64,
+            }
+        ),
+    ]
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("\n".join(rows) + "\n")
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    # When it is submitted
+    proc = run_cli("submit", str(src), "--wait", "--out", str(out), "--errors", str(err), "-q")
+    stderr = proc.stderr.decode()
+    # Then the CLI succeeds, naming each bad line by number and cause
+    assert proc.returncode == 0, stderr
+    assert "line 2: not valid JSON" in stderr
+    assert "line 3: unknown job type 'translate'" in stderr
+    assert "line 4: json_schema: Field required" in stderr
+    assert "line 5: json_schema: json_schema is not a valid JSON Schema at required" in stderr
+    assert "3 jobs enqueued, 4 lines rejected" in stderr
+    # and the good jobs complete while the too-long prompt fails on its own
+    done = {x["id"]: x for x in map(json.loads, out.read_text().splitlines())}
+    assert set(done) == {"good1", "good2"} and all(
+        x["status"] == "completed" for x in done.values()
+    )
+    errors = [json.loads(x) for x in err.read_text().splitlines()]
+    rejected = {e["error"]["line"] for e in errors if e.get("error", {}).get("line")}
+    assert rejected == {2, 3, 4, 5}
+    failed = [e for e in errors if e.get("status") == "failed"]
+    assert [(f["id"], f["error"]["type"]) for f in failed] == [("toolong", "prompt_too_long")]
+    assert "2048" in failed[0]["error"]["message"]
+
+
+@pytest.mark.parametrize("content", [None, b"", b"not json\n[1]\n"])
+def test_unusable_input_file_exits_non_zero(tmp_path: Path, content: bytes | None) -> None:
+    src = tmp_path / "input.jsonl"
+    if content is not None:
+        src.write_bytes(content)
+    proc = run_cli("submit", str(src), "-q")
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 3, stderr
+    assert stderr.splitlines()[-1].startswith("vqueue: ") and "Traceback" not in stderr
+    assert proc.stdout == b""  # no batch id: nothing was enqueued
+
+
+def test_status_shows_the_worker_and_the_batch(client: Client) -> None:
+    fleet = json.loads(run_cli("status", "--json").stdout)
+    (w,) = [w for w in fleet["workers"] if w["name"] == "w1@test"]
+    assert w["model"] == "smollm2-135m-instruct" and w["concurrency"] == 16
+    b = client.submit({"type": "summarize", "text": "Short.", "max_tokens": 8})
+    b.wait(timeout=120)
+    st = json.loads(run_cli("status", b.id, "--json").stdout)
+    assert (st["total"], st["completed"], st["remaining"]) == (1, 1, 0)
+    missing = run_cli("status", "no-such-batch")
+    assert missing.returncode == 5 and "no batch" in missing.stderr.decode()
+
+
+def test_unreachable_broker_is_one_line_and_exit_4() -> None:
+    proc = subprocess.run(
+        [*_cli(), "--broker", "redis://127.0.0.1:1/0", "status"], capture_output=True, timeout=60
+    )
+    assert proc.returncode == 4
+    assert proc.stderr.decode().startswith("vqueue: cannot reach Redis")
+
+
+def _cli() -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "producer.cli"]
