@@ -46,6 +46,10 @@ class _JobBase(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list, max_length=16)
+    # vLLM sampling extras: generate at least min_tokens; keep going past EOS (benchmarks use
+    # both to fix output length)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_OUTPUT_TOKENS)
+    ignore_eos: bool = False
     # echoed back untouched on the result: the caller's own bookkeeping
     metadata: dict[str, Any] = Field(default_factory=dict)
 

@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     structured_outputs_backend: str = "guidance"
 
     # -- worker process
+    # import path of the engine host; benchmarks/stub_engine.py swaps in an instant stub to
+    # measure the queue alone (never for real work)
+    engine_class: str = "worker.engine:EngineHost"
     # Celery threads; 0 means 2 * max_num_seqs, so the engine always has its next batch queued
     concurrency: int = 0
     gpus: str | None = None  # CUDA_VISIBLE_DEVICES for this worker

@@ -85,10 +85,11 @@ state = _WorkerState()
 
 @signals.worker_init.connect
 def _build_engine(sender: Any = None, **_: Any) -> None:
-    from .engine import EngineHost
+    import importlib
 
     try:
-        state.engine = EngineHost(settings)
+        module, _sep, cls = settings.engine_class.partition(":")
+        state.engine = getattr(importlib.import_module(module), cls)(settings)
     except BaseException:
         log.exception("the vLLM engine failed to start; exiting %d", EXIT_ENGINE)
         os._exit(EXIT_ENGINE)  # Celery would log a handler's exception and carry on without it

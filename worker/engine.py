@@ -61,52 +61,21 @@ class EngineHost:
         self.jobs_done = 0
         self.started_at = time.time()
         self.engine = self._call(self._build())
-        self.tokenizer = self.engine.get_tokenizer()
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        s = self.settings
-        kwargs: dict[str, Any] = dict(
-            model=self.model_path,
-            served_model_name=self.model_name,
-            max_model_len=s.max_model_len,
-            max_num_seqs=s.max_num_seqs,
-            dtype=s.dtype if s.dtype != "auto" or _has_cuda() else CPU_DEFAULT_DTYPE,
-            tensor_parallel_size=s.tensor_parallel_size,
-            enforce_eager=s.enforce_eager if s.enforce_eager is not None else not _has_cuda(),
-            enable_prefix_caching=s.enable_prefix_caching,
-            seed=s.seed,
-            gpu_memory_utilization=s.gpu_memory_utilization,
-        )
-        from vllm.config import StructuredOutputsConfig
-
-        # Small models pad guided JSON with whitespace until max_tokens; forbid it engine-wide
-        # (in vLLM >= 0.26 this is engine config, the per-request flag is not consulted).
-        kwargs["structured_outputs_config"] = StructuredOutputsConfig(
-            backend=s.structured_outputs_backend,  # type: ignore[arg-type]  # checked by vLLM
-            disable_any_whitespace=True,
-        )
-        if s.max_num_batched_tokens:
-            kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
-        kv_bytes = s.kv_cache_memory_bytes
-        if kv_bytes is None and not _has_cuda():
-            kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
-        if kv_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = kv_bytes
-        return kwargs
+        tokenizer = self.engine.get_tokenizer()
+        if asyncio.iscoroutine(tokenizer):  # vLLM < 0.30 made it a coroutine
+            tokenizer = self._call(tokenizer)
+        self.tokenizer = tokenizer
 
     async def _build(self) -> Any:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs = self.engine_kwargs()
+        kwargs = engine_kwargs(self.settings, self.model_path)
         log.info("starting vLLM engine: %s", kwargs)
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of ``messages`` rendered with the model's own chat template."""
@@ -162,6 +131,39 @@ class EngineHost:
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+
+
+def engine_kwargs(s: Settings, model_path: str) -> dict[str, Any]:
+    """vLLM engine arguments from settings; the raw-vLLM benchmark uses the same ones."""
+    from vllm.config import StructuredOutputsConfig
+
+    cuda = _has_cuda()
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        served_model_name=s.served_model_name or s.model,
+        max_model_len=s.max_model_len,
+        max_num_seqs=s.max_num_seqs,
+        dtype=s.dtype if s.dtype != "auto" or cuda else CPU_DEFAULT_DTYPE,
+        tensor_parallel_size=s.tensor_parallel_size,
+        enforce_eager=s.enforce_eager if s.enforce_eager is not None else not cuda,
+        enable_prefix_caching=s.enable_prefix_caching,
+        seed=s.seed,
+        gpu_memory_utilization=s.gpu_memory_utilization,
+        # Small models pad guided JSON with whitespace until max_tokens; forbid it engine-wide
+        # (in vLLM >= 0.26 this is engine config, the per-request flag is not consulted).
+        structured_outputs_config=StructuredOutputsConfig(
+            backend=s.structured_outputs_backend,  # type: ignore[arg-type]  # checked by vLLM
+            disable_any_whitespace=True,
+        ),
+    )
+    if s.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
+    kv_bytes = s.kv_cache_memory_bytes
+    if kv_bytes is None and not cuda:
+        kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+    if kv_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_bytes
+    return kwargs
 
 
 def _has_cuda() -> bool:

@@ -95,6 +95,8 @@ def sampling_params(job: Any, max_tokens: int) -> Any:
         top_p=job.top_p,
         seed=job.seed,
         stop=job.stop or None,
+        min_tokens=min(job.min_tokens, max_tokens),
+        ignore_eos=job.ignore_eos,
         structured_outputs=structured,
         # Only the final output crosses back to the task thread: no per-token work in Python.
         output_kind=RequestOutputKind.FINAL_ONLY,

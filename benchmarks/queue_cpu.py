@@ -1,0 +1,181 @@
+"""The queue's own speed on a CPU host, no GPU and no model.
+
+1. Submit rate: jobs/s from the producer into Redis (pipelined), through the Python client and
+   through ``vqueue submit`` on a JSONL file (parsing and validation included); no worker runs.
+2. Queue overhead: a real Celery worker process whose engine is an instant STUB
+   (``benchmarks/stub_engine.py``), so the time per job is the queue path alone: publish,
+   delivery, task dispatch, prompt building, result recording, result streaming.
+
+    .venv/bin/python -m benchmarks.queue_cpu [--jobs 50000] [--stub-jobs 5000]
+
+Prints a table and writes benchmarks/results/queue-cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from producer import Client
+from producer.publish import queue_keys
+from schemas import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+URL = os.environ.get("VQUEUE_BENCH_REDIS", "redis://127.0.0.1:6379/14")
+
+
+def job(i: int) -> dict:
+    return {
+        "id": f"j{i}",
+        "type": "summarize",
+        "max_tokens": 64,
+        "text": f"Ticket {i}: the customer reports that the invoice total is wrong and asks "
+        f"for a corrected copy before Friday. Order number {i * 7}.",
+    }
+
+
+def settings(queue: str) -> Settings:
+    return Settings(_env_file=None, broker_url=URL, queue=queue, key_prefix="vqbench")
+
+
+def submit_rate(n: int) -> dict:
+    r = redis.Redis.from_url(URL)
+    r.flushdb()
+    client = Client(settings("bench-submit"))
+    jobs = [job(i) for i in range(n)]
+    t = time.perf_counter()
+    batch = client.submit_many(jobs)
+    py_s = time.perf_counter() - t
+    depth = client.queue_depth()
+    assert depth == n, (depth, n)
+    r.delete(*queue_keys("bench-submit"))
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as fh:
+        for j in jobs:
+            fh.write(json.dumps(j) + "\n")
+    env = dict(
+        os.environ, VQUEUE_BROKER_URL=URL, VQUEUE_QUEUE="bench-submit", VQUEUE_KEY_PREFIX="vqbench"
+    )
+    t = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "producer.cli", "submit", fh.name, "-q"],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    cli_s = time.perf_counter() - t
+    assert client.queue_depth() == n
+    r.flushdb()
+    os.unlink(fh.name)
+    return {
+        "jobs": n,
+        "batch": batch.id,
+        "python_client_s": py_s,
+        "python_client_jobs_per_s": n / py_s,
+        "cli_s": cli_s,
+        "cli_jobs_per_s": n / cli_s,
+    }
+
+
+def stub_overhead(n: int, concurrency: int) -> dict:
+    r = redis.Redis.from_url(URL)
+    r.flushdb()
+    env = dict(
+        os.environ,
+        VQUEUE_BROKER_URL=URL,
+        VQUEUE_QUEUE="bench-stub",
+        VQUEUE_KEY_PREFIX="vqbench",
+        VQUEUE_ENGINE_CLASS="benchmarks.stub_engine:StubEngine",
+        VQUEUE_CONCURRENCY=str(concurrency),
+        VQUEUE_HEARTBEAT_S="1",
+    )
+    log = open(ROOT / "benchmarks" / "results" / "stub-worker.log.tmp", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "producer.cli", "worker", "-n", "stub@bench", "-l", "WARNING"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.time() + 120
+        while not r.exists("vqbench:worker:stub@bench"):
+            if time.time() > deadline or proc.poll() is not None:
+                raise RuntimeError(
+                    "stub worker did not start; see benchmarks/results/stub-worker.log.tmp"
+                )
+            time.sleep(0.2)
+        client = Client(settings("bench-stub"))
+        t = time.perf_counter()
+        batch = client.submit_many(job(i) for i in range(n))
+        submitted = time.perf_counter() - t
+        results = list(batch.results(timeout=600))
+        wall = time.perf_counter() - t
+        assert len(results) == n and all(x.status == "completed" for x in results)
+        queue_wait = sorted((x.timings.started_at or 0) - x.timings.enqueued_at for x in results)
+        return {
+            "jobs": n,
+            "concurrency": concurrency,
+            "wall_s": wall,
+            "submit_s": submitted,
+            "jobs_per_s": n / wall,
+            "overhead_ms_per_job": 1000 * wall / n,
+            "queue_wait_p50_s": queue_wait[n // 2],
+        }
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+        r.flushdb()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=50_000)
+    ap.add_argument("--stub-jobs", type=int, default=5_000)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "queue-cpu.json"))
+    a = ap.parse_args()
+    res = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "command": " ".join(["python -m benchmarks.queue_cpu", *sys.argv[1:]]),
+        "submit": submit_rate(a.jobs),
+        "stub_worker": stub_overhead(a.stub_jobs, a.concurrency),
+    }
+    Path(a.out).write_text(json.dumps(res, indent=2))
+    s, w = res["submit"], res["stub_worker"]
+    rows = [
+        (
+            "submit, Python client",
+            f"{s['jobs']} jobs",
+            f"{s['python_client_jobs_per_s']:,.0f} jobs/s",
+        ),
+        (
+            "submit, `vqueue submit` JSONL",
+            f"{s['jobs']} lines",
+            f"{s['cli_jobs_per_s']:,.0f} jobs/s",
+        ),
+        (
+            "queue path, STUB engine",
+            f"{w['jobs']} jobs, {w['concurrency']} threads",
+            f"{w['jobs_per_s']:,.0f} jobs/s = {w['overhead_ms_per_job']:.2f} ms/job",
+        ),
+    ]
+    print("| measure | size | result |\n|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

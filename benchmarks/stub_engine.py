@@ -1,0 +1,41 @@
+"""An instant stand-in for the vLLM engine, for measuring the queue's own cost and nothing else.
+
+STUB: it generates nothing. ``VQUEUE_ENGINE_CLASS=benchmarks.stub_engine:StubEngine`` makes a
+worker use it; only ``benchmarks/queue_cpu.py`` does, and its report says so.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from schemas import Settings
+from worker.engine import Generation
+
+
+class StubEngine:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.model_name = "stub"
+        self.in_flight = self.max_in_flight = self.jobs_done = 0
+        self.started_at = time.time()
+        self._lock = threading.Lock()
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        # about four characters a token, like a real tokenizer on English
+        return [0] * max(1, sum(len(m["content"]) for m in messages) // 4)
+
+    def generate(self, prompt_ids: list[int], params: Any) -> Generation:
+        with self._lock:
+            self.jobs_done += 1
+        return Generation(
+            text="stub output",
+            finish_reason="stop",
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=2,
+            first_token_at=time.time(),
+        )
+
+    def close(self) -> None:
+        pass
