@@ -159,11 +159,9 @@ def run_raw(a: argparse.Namespace) -> list[dict[str, Any]]:
 
     def go(name: str, jobs: list[dict[str, Any]], constrained: bool = True) -> None:
         models = [_jobs.validate_python(j) for j in jobs]
-        if not constrained:  # the same prompts without the schema, same lengths
-            models = [m.model_copy(update={"json_schema": {}}) for m in models]
         msgs = [build_messages(m) for m in models]
         params = [sampling_params(m, m.max_tokens or 256) for m in models]
-        if not constrained:
+        if not constrained:  # identical prompts (schema text included), no guided decoding
             for p in params:
                 p.structured_outputs = None
         with MemorySampler() as mem:
@@ -333,6 +331,123 @@ def run_hf(a: argparse.Namespace) -> list[dict[str, Any]]:
     return [row]
 
 
+# ------------------------------------------------------------------------------- server
+def run_server(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """vLLM's OpenAI-compatible server under a concurrent streaming client (mixed workload)."""
+    import asyncio
+    import urllib.request
+
+    import aiohttp
+
+    from worker.prompts import build_messages
+
+    port = 8011
+    so = json.dumps({"backend": "guidance", "disable_any_whitespace": True})
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        a.model,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(a.max_model_len),
+        "--gpu-memory-utilization",
+        str(a.gpu_memory_utilization),
+        "--structured-outputs-config",
+        so,
+        "--enable-prefix-caching",
+    ]
+    if a.kv_cache_bytes:
+        argv += ["--kv-cache-memory-bytes", str(a.kv_cache_bytes)]
+    log = open(Path(a.out) / "server.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    t0 = time.perf_counter()
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None or time.perf_counter() - t0 > a.start_timeout:
+                    raise RuntimeError("server did not start; see server.log") from None
+                time.sleep(1)
+        start_s = time.perf_counter() - t0
+        jobs = [_jobs.validate_python(j) for j in build(a.model, a.scale, ["mixed"])["mixed"]]
+
+        def body(job: Any) -> dict[str, Any]:
+            b: dict[str, Any] = {
+                "model": a.model,
+                "messages": build_messages(job),
+                "max_tokens": job.max_tokens,
+                "temperature": job.temperature,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            if job.ignore_eos:
+                b.update(ignore_eos=True, min_tokens=job.min_tokens)
+            if getattr(job, "json_schema", None):
+                b["response_format"] = {
+                    "type": "json_schema",
+                    "json_schema": {"name": "out", "schema": job.json_schema},
+                }
+            return b
+
+        async def one(session: Any, sem: Any, job: Any, out: list) -> None:
+            async with sem:
+                t = time.perf_counter()
+                first, tokens = None, 0
+                async with session.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions", json=body(job)
+                ) as resp:
+                    async for raw in resp.content:
+                        line = raw.decode().strip()
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if first is None and chunk.get("choices"):
+                            first = time.perf_counter() - t
+                        if chunk.get("usage"):
+                            tokens = chunk["usage"]["completion_tokens"]
+                out.append((first, tokens, resp.status))
+
+        async def drive(batch: list[Any]) -> tuple[float, list]:
+            out: list = []
+            sem = asyncio.Semaphore(512)
+            timeout = aiohttp.ClientTimeout(total=None)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                t = time.perf_counter()
+                await asyncio.gather(*(one(session, sem, j, out) for j in batch))
+                return time.perf_counter() - t, out
+
+        asyncio.run(drive([_jobs.validate_python(j) for j in warmup(a)]))
+        with MemorySampler() as mem:
+            wall, out = asyncio.run(drive(jobs))
+        row = summarize(
+            "mixed",
+            "vLLM OpenAI server",
+            wall,
+            len(out),
+            sum(x[1] for x in out),
+            0,
+            [x[0] for x in out if x[0] is not None],
+            mem.peak,
+            failed=sum(1 for x in out if x[2] != 200),
+            engine_start_s=start_s,
+            note="streaming client, 512 concurrent requests",
+        )
+        print(json.dumps(row), flush=True)
+        return [row]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
 # ------------------------------------------------------------------------------- report
 def report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> str:
     raw = {r["workload"]: r for r in rows if r["system"] == "raw vLLM"}
@@ -396,7 +511,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 # --------------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=["all", "raw", "vqueue", "hf"])
+    ap.add_argument("step", choices=["all", "raw", "vqueue", "hf", "server", "report"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply job counts")
@@ -413,17 +528,19 @@ def main() -> None:
     a.workloads = a.workloads.split(",")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    step = {"raw": run_raw, "vqueue": run_vqueue, "hf": run_hf}
-    if a.step != "all":
+    step = {"raw": run_raw, "vqueue": run_vqueue, "hf": run_hf, "server": run_server}
+    if a.step not in ("all", "report"):
         rows = step[a.step](a)
         (out / f"{a.step}.json").write_text(json.dumps(rows, indent=2))
         return
     rows: list[dict[str, Any]] = []
-    for s in a.systems.split(","):
+    for s in a.systems.split(",") if a.step == "all" else []:
         t = time.perf_counter()
         cmd = [sys.executable, "-m", "benchmarks.gpu_suite", s, *sys.argv[2:]]
         done = subprocess.run(cmd, cwd=ROOT)
         print(f"== {s}: exit {done.returncode} in {time.perf_counter() - t:.0f}s", flush=True)
+    # the table gathers every step's JSON in --out, so steps run in separate calls merge too
+    for s in ("raw", "vqueue", "server", "hf"):
         if (out / f"{s}.json").exists():
             rows += json.loads((out / f"{s}.json").read_text())
     meta = {
