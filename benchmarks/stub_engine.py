@@ -16,6 +16,8 @@ from worker.engine import Generation
 
 class StubEngine:
     def __init__(self, settings: Settings) -> None:
+        import vllm  # noqa: F401  # as the real engine host does at start, not on the first job
+
         self.settings = settings
         self.model_name = "stub"
         self.in_flight = self.max_in_flight = self.jobs_done = 0

@@ -142,9 +142,14 @@ def submit(
         chunk_rejected = 0
 
         def lines() -> Iterator[bytes]:
+            pending = 0  # bar updates per 64 kB, not per line: they cost more than a parse
             for raw in read_lines(fh):
-                bar.update(len(raw))
+                pending += len(raw)
+                if pending > 65536:
+                    bar.update(pending)
+                    pending = 0
                 yield raw
+            bar.update(pending)
 
         for p in parse_lines(lines(), default_priority=priority):
             if p.error is not None:

@@ -129,6 +129,9 @@ class BatchStore:
             for _, res in page:
                 yield res
 
+    def has_result(self, batch: str, job_id: str) -> bool:
+        return bool(self.r.hexists(self.key(batch, "done"), job_id))
+
     def result(self, batch: str, job_id: str) -> JobResult | None:
         entry = self.r.hget(self.key(batch, "done"), job_id)
         if entry is None:

@@ -1,8 +1,8 @@
 """The Celery app, its configuration, and the worker lifecycle that owns the engine.
 
-Importing this module is cheap (no vLLM, no torch): producers use ``create_app`` to send tasks.
-The engine is built by the ``worker_init`` signal, before the worker consumes anything, and closed
-by ``worker_shutdown``; that is the shape of arq's ``on_startup``/``on_shutdown``.
+Importing this module is cheap (no vLLM, no torch). The engine is built by the ``worker_init``
+signal, before the worker consumes anything, and closed by ``worker_shutdown``: the shape of
+arq's ``on_startup``/``on_shutdown``.
 """
 
 from __future__ import annotations
@@ -16,22 +16,13 @@ from typing import Any
 
 from celery import Celery, signals
 
+from producer.publish import PRIORITY_SEP, PRIORITY_STEPS, task_name
 from schemas import JOB_TYPES, Settings, get_settings
 
 log = logging.getLogger(__name__)
 
 # Named exit codes (dramatiq's habit): a supervisor can tell a broken engine from a clean stop.
 EXIT_ENGINE = 3
-
-
-def task_name(job_type: str) -> str:
-    """One Celery task per job type, so Flower and metrics read ``vqueue.extract`` etc."""
-    return f"vqueue.{job_type}"
-
-
-def redis_priority(priority: int) -> int:
-    """Job priority is 'higher runs first'; kombu's Redis lists are consumed lowest first."""
-    return 9 - priority
 
 
 def create_app(settings: Settings | None = None) -> Celery:
@@ -52,8 +43,8 @@ def create_app(settings: Settings | None = None) -> Celery:
         task_routes={task_name(t): {"queue": s.queue} for t in JOB_TYPES},
         broker_transport_options={
             "visibility_timeout": s.visibility_timeout_s,
-            "priority_steps": list(range(10)),
-            "sep": ":",
+            "priority_steps": PRIORITY_STEPS,
+            "sep": PRIORITY_SEP,
             "queue_order_strategy": "priority",
         },
         broker_connection_retry_on_startup=True,

@@ -1,7 +1,7 @@
 """Thin Celery tasks: read the envelope, run the job, store the result, return a short summary.
 
-The summary (not the output) is what Flower and Celery's result backend see; the full result is in
-the batch's stream (``producer.store``). A job whose result is already stored is not run again,
+The summary (not the output) is what Flower sees; the full result is in the batch's stream
+(``producer.store``). A job whose result is already stored is not run again,
 so a redelivery after a lost acknowledgement costs a lookup, not a generation.
 """
 
@@ -50,7 +50,7 @@ def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
             error=JobError(type="invalid_job", message=str(exc).splitlines()[0]),
         )
     else:
-        if store().result(env.batch, env.job.id) is not None:
+        if store().has_result(env.batch, env.job.id):
             return {"id": env.job.id, "status": "duplicate"}
         result = run_job(env, state.engine, settings, task.request.hostname or state.name)
     store().record(result)
@@ -61,7 +61,9 @@ def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _register(job_type: str) -> None:
-    @app.task(name=task_name(job_type), bind=True)
+    # ignore_result: the result lives in the batch stream; a second copy in Celery's backend
+    # would cost a MULTI/SET/PUBLISH per job. Flower still sees the summary in task events.
+    @app.task(name=task_name(job_type), bind=True, ignore_result=True)
     def _task(self: Task, payload: dict[str, Any]) -> dict[str, Any]:
         return run(self, payload)
 
