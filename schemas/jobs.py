@@ -7,6 +7,8 @@ the model's context) is reported per job as a failed ``JobResult``.
 
 from __future__ import annotations
 
+import functools
+import json
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -56,22 +58,29 @@ class _JobBase(BaseModel):
 
 def _check_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """Reject schemas that are invalid or too large/deep to compile, naming the problem."""
-    import json
+    text = json.dumps(schema, sort_keys=True)
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"json_schema is {len(text)} characters; the limit is {MAX_SCHEMA_CHARS}")
+    problem = _schema_problem(text)
+    if problem:
+        raise ValueError(problem)
+    return schema
 
-    size = len(json.dumps(schema))
-    if size > MAX_SCHEMA_CHARS:
-        raise ValueError(f"json_schema is {size} characters; the limit is {MAX_SCHEMA_CHARS}")
+
+@functools.lru_cache(maxsize=4096)
+def _schema_problem(text: str) -> str | None:
+    """The check itself, cached by schema text: a batch reuses a few schemas thousands of times,
+    and the meta-schema check costs about a millisecond each (producer and worker both run it)."""
+    schema = json.loads(text)
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
-        raise ValueError(f"json_schema nests {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}")
+        return f"json_schema nests {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}"
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
-        raise ValueError(
-            f"json_schema is not a valid JSON Schema at {where}: {exc.message}"
-        ) from None
-    return schema
+        return f"json_schema is not a valid JSON Schema at {where}: {exc.message}"
+    return None
 
 
 def _depth(node: Any, level: int = 0) -> int:
