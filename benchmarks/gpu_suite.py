@@ -218,6 +218,9 @@ def run_vqueue(a: argparse.Namespace) -> list[dict[str, Any]]:
     )
     if a.kv_cache_bytes:
         env["VQUEUE_KV_CACHE_MEMORY_BYTES"] = str(a.kv_cache_bytes)
+    if a.profile:  # the real engine plus a sampling profiler thread (benchmarks/profiled_engine.py)
+        env["VQUEUE_ENGINE_CLASS"] = "benchmarks.profiled_engine:ProfiledEngine"
+        env["VQUEUE_BENCH_PROFILE"] = str(Path(a.out) / "worker-profile.txt")
     log = open(Path(a.out) / "vqueue-worker.log", "w")  # noqa: SIM115
     argv = [sys.executable, "-m", "producer.cli", "worker", "-n", "bench@gpu", "-l", "WARNING"]
     if shutil.which("nvidia-smi"):
@@ -236,36 +239,12 @@ def run_vqueue(a: argparse.Namespace) -> list[dict[str, Any]]:
         client = Client(Settings(_env_file=None, broker_url=url, queue="bench"))
 
         def go(name: str, jobs: list[dict[str, Any]]) -> None:
-            spy = None
-            if a.profile and name == "mixed" and shutil.which("py-spy"):
-                # where the worker process's time goes, sampled while it runs the mixed load
-                spy = subprocess.Popen(
-                    [
-                        "py-spy",
-                        "record",
-                        "-p",
-                        str(proc.pid),
-                        "-d",
-                        "12",
-                        "-r",
-                        "50",
-                        "-f",
-                        "raw",
-                        "--nonblocking",
-                        "-o",
-                        str(Path(a.out) / "worker-profile.txt"),
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.STDOUT,
-                )
             with MemorySampler() as mem:
                 t = time.perf_counter()
                 batch = client.submit_many(jobs)
                 submit_s = time.perf_counter() - t
                 res = list(batch.results(timeout=a.timeout))
                 wall = time.perf_counter() - t
-            if spy is not None:
-                spy.wait(60)
             done = [x for x in res if x.status == "completed"]
             ttft = [
                 x.timings.first_token_at - x.timings.enqueued_at
@@ -548,7 +527,9 @@ def main() -> None:
     ap.add_argument("--hf-jobs", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--start-timeout", type=float, default=400)
-    ap.add_argument("--profile", action="store_true", help="py-spy the worker during 'mixed'")
+    ap.add_argument(
+        "--profile", action="store_true", help="sample the worker's stacks (worker-profile.txt)"
+    )
     a = ap.parse_args()
     a.workloads = a.workloads.split(",")
     out = Path(a.out)

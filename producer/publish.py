@@ -50,7 +50,7 @@ def task_message(env: Envelope, queue: str) -> tuple[str, str]:
     job = env.job
     task_id = f"{env.batch}:{job.id}"  # unique per job, readable in Flower, stable on re-send
     step = redis_priority(job.priority)
-    headers = {
+    headers: dict[str, Any] = {
         "lang": "py",
         "task": task_name(job.type),
         "id": task_id,

@@ -50,6 +50,7 @@ class Settings(BaseSettings):
     concurrency: int = 0
     gpus: str | None = None  # CUDA_VISIBLE_DEVICES for this worker
     heartbeat_s: float = 5.0  # how often a worker refreshes its liveness key
+    log_stats_s: float = 10.0  # how often the engine logs vLLM's stats line; 0 turns it off
 
     # -- per-type output budgets when a job sets no max_tokens
     max_tokens_summarize: int = 256

@@ -72,7 +72,17 @@ class EngineHost:
 
         kwargs = engine_kwargs(self.settings, self.model_path)
         log.info("starting vLLM engine: %s", kwargs)
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        if self.settings.log_stats_s > 0:
+            self._stats_task = asyncio.get_running_loop().create_task(self._log_stats(engine))
+        return engine
+
+    async def _log_stats(self, engine: Any) -> None:
+        """vLLM's own periodic line (throughput, running/waiting, KV use, prefix-cache hits),
+        which its API server prints and a bare AsyncLLM does not."""
+        while True:
+            await asyncio.sleep(self.settings.log_stats_s)
+            await engine.do_log_stats()
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
