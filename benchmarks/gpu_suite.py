@@ -69,6 +69,16 @@ class MemorySampler:
         self._t.join(5)
 
 
+def stop(proc: subprocess.Popen, log: Any, timeout: float) -> None:
+    """SIGTERM (a worker drains, a server shuts down), SIGKILL after ``timeout``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
 def pct(xs: list[float], p: float) -> float | None:
     if not xs:
         return None
@@ -276,12 +286,7 @@ def run_vqueue(a: argparse.Namespace) -> list[dict[str, Any]]:
         for name, jobs in loads.items():
             go(name, jobs)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop(proc, log, 120)
     return rows
 
 
@@ -443,12 +448,7 @@ def run_server(a: argparse.Namespace) -> list[dict[str, Any]]:
         print(json.dumps(row), flush=True)
         return [row]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop(proc, log, 60)
 
 
 # ------------------------------------------------------------------------------- report
