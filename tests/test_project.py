@@ -48,3 +48,15 @@ def test_producer_imports_no_engine() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=ROOT)
     assert out.stdout.decode().strip() == "[]", out.stderr.decode()
+
+
+@pytest.mark.parametrize("gpus", ["x", "0,,a", ","])
+def test_worker_refuses_bad_gpu_ids(gpus: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "worker", "--gpus", gpus],
+        capture_output=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.decode().startswith("vqueue: --gpus takes GPU ids like 0 or 0,1")
