@@ -51,6 +51,7 @@ class Batch:
     def __init__(self, client: Client, batch_id: str) -> None:
         self.client = client
         self.id = batch_id
+        self.last_entry = "0-0"  # the stream entry of the last result read; resume from it
 
     def __repr__(self) -> str:
         return f"Batch({self.id!r})"

@@ -7,17 +7,16 @@ so a redelivery after a lost acknowledgement costs a lookup, not a generation.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from celery import Task
 from pydantic import ValidationError
 
+from producer.publish import task_name
 from schemas import JOB_TYPES, Envelope, JobError, JobResult, Timings
 
-from .app import app, settings, state, task_name
+from .app import app, settings, state
 
-log = logging.getLogger(__name__)
 _store: Any = None
 
 
