@@ -138,8 +138,6 @@ def submit(
         bar = _bar(quiet, total=size, unit="B", unit_scale=True, desc="submit")
         client.store.create(batch, "vqueue", source=None if file == "-" else os.path.abspath(file))
         good = rejected = 0
-        chunk: list[Envelope] = []
-        chunk_rejected = 0
 
         def lines() -> Iterator[bytes]:
             pending = 0  # bar updates per 64 kB, not per line: they cost more than a parse
@@ -151,27 +149,25 @@ def submit(
                 yield raw
             bar.update(pending)
 
-        for p in parse_lines(lines(), default_priority=priority):
-            if p.error is not None:
-                rejected += 1
-                chunk_rejected += 1
-                if rejected <= MAX_ECHOED_ERRORS:
-                    bar.write(f"line {p.line}: {p.error}", file=sys.stderr)
-                if errors_out:
-                    errors_out.write(json.dumps(rejected_line(p.custom_id, p.line, p.error)) + "\n")
-                continue
-            good += 1
-            chunk.append(
-                Envelope(
+        def envelopes() -> Iterator[Envelope]:
+            """The good lines as envelopes; bad ones are reported here and skipped."""
+            nonlocal good, rejected
+            for p in parse_lines(lines(), default_priority=priority):
+                if p.error is not None:
+                    rejected += 1
+                    if rejected <= MAX_ECHOED_ERRORS:
+                        bar.write(f"line {p.line}: {p.error}", file=sys.stderr)
+                    if errors_out:
+                        line = rejected_line(p.custom_id, p.line, p.error)
+                        errors_out.write(json.dumps(line) + "\n")
+                    continue
+                good += 1
+                yield Envelope(
                     job=p.job, batch=batch, format=p.format, model=p.model, enqueued_at=time.time()
                 )
-            )
-            if len(chunk) >= 1000:
-                client.publish(chunk, batch, rejected=chunk_rejected)
-                chunk, chunk_rejected = [], 0
-        if chunk or chunk_rejected:
-            client.publish(chunk, batch, rejected=chunk_rejected)
-        client.store.seal(batch)
+
+        client.submit_many(envelopes(), batch=batch, seal=False)
+        client.store.seal(batch, rejected=rejected)
         bar.close()
         if rejected > MAX_ECHOED_ERRORS:
             click.echo(

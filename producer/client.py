@@ -143,12 +143,12 @@ class Client:
         for item in jobs:
             chunk.append(self._envelope(item, batch_id))
             if len(chunk) >= PUBLISH_CHUNK:
-                self.publish(chunk, batch_id)
+                self._publish(chunk, batch_id)
                 if on_progress:
                     on_progress(len(chunk))
                 chunk = []
         if chunk:
-            self.publish(chunk, batch_id)
+            self._publish(chunk, batch_id)
             if on_progress:
                 on_progress(len(chunk))
         if seal:
@@ -164,7 +164,7 @@ class Client:
         job = item if not isinstance(item, dict) else _job_adapter.validate_python(item)
         return Envelope(job=job, batch=batch_id, enqueued_at=time.time())
 
-    def publish(self, envelopes: list[Envelope], batch_id: str, rejected: int = 0) -> None:
+    def _publish(self, envelopes: list[Envelope], batch_id: str) -> None:
         """Count, then send, one chunk (a pipelined round trip each).
 
         Counting first means a fast worker can never finish more jobs than ``total`` says.
@@ -172,7 +172,7 @@ class Client:
         from .publish import send_envelopes
 
         pipe = self.store.r.pipeline(transaction=False)
-        self.store.add_counts(pipe, batch_id, total=len(envelopes), rejected=rejected)
+        self.store.add_total(pipe, batch_id, len(envelopes))
         pipe.execute()
         send_envelopes(self.broker, envelopes, self.settings.queue)
 

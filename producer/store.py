@@ -63,19 +63,21 @@ class BatchStore:
         pipe.expire(self.key(batch), self.ttl_s)
         pipe.execute()
 
-    def add_counts(self, pipe: Any, batch: str, total: int = 0, rejected: int = 0) -> None:
-        """Queue counter updates on ``pipe`` so they travel with the jobs they count."""
-        if total:
-            pipe.hincrby(self.key(batch), "total", total)
-        if rejected:
-            pipe.hincrby(self.key(batch), "rejected", rejected)
+    def add_total(self, pipe: Any, batch: str, total: int) -> None:
+        """Queue the ``total`` update on ``pipe`` so it travels with the jobs it counts."""
+        pipe.hincrby(self.key(batch), "total", total)
 
     def delete(self, batch: str) -> None:
         self.r.delete(self.key(batch), self.key(batch, "done"), self.key(batch, "results"))
 
-    def seal(self, batch: str) -> None:
-        """Mark submission finished: from now on ``total`` is final, and waiting can end."""
-        self.r.hset(self.key(batch), "sealed", 1)
+    def seal(self, batch: str, rejected: int = 0) -> None:
+        """Mark submission finished: from now on ``total`` is final, and waiting can end.
+        ``rejected`` counts the input lines refused at submit."""
+        pipe = self.r.pipeline()
+        if rejected:
+            pipe.hincrby(self.key(batch), "rejected", rejected)
+        pipe.hset(self.key(batch), "sealed", 1)
+        pipe.execute()
 
     # -- worker side
     def record(self, result: JobResult) -> bool:

@@ -16,7 +16,6 @@ from schemas import (
     ChatJob,
     CodegenJob,
     Envelope,
-    ExtractJob,
     JobError,
     JobResult,
     Settings,
@@ -32,9 +31,9 @@ MIN_ANSWER_TOKENS = 16
 
 
 class JobFailed(Exception):
-    def __init__(self, type_: str, message: str, text: str | None = None) -> None:
+    def __init__(self, type_: str, message: str) -> None:
         super().__init__(message)
-        self.type, self.message, self.text = type_, message, text
+        self.type, self.message = type_, message
 
 
 def run_job(env: Envelope, engine: EngineHost, settings: Settings, worker: str) -> JobResult:
@@ -104,11 +103,9 @@ def sampling_params(job: Any, max_tokens: int) -> Any:
 
 
 def _schema_of(job: Any) -> dict[str, Any] | None:
-    if isinstance(job, ExtractJob):
-        return job.json_schema
-    if isinstance(job, ChatJob):
-        return job.json_schema
-    return None
+    """The schema an extract job (or a chat job from an OpenAI json_schema line) must satisfy."""
+    schema: dict[str, Any] | None = getattr(job, "json_schema", None)
+    return schema
 
 
 def _read_output(job: Any, text: str, finish_reason: str | None, result: JobResult) -> None:
@@ -128,7 +125,8 @@ def _read_output(job: Any, text: str, finish_reason: str | None, result: JobResu
         raise JobFailed("invalid_json", f"the output is not JSON: {exc}") from None
     if schema is not None:
         try:
-            jsonschema.validate(data, schema)
+            # the schema was meta-checked at intake; jsonschema.validate() would check it again
+            jsonschema.validators.validator_for(schema)(schema).validate(data)
         except jsonschema.ValidationError as exc:
             where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
             raise JobFailed("schema_validation", f"at {where}: {exc.message}") from None
