@@ -64,7 +64,7 @@ def task_message(env: Envelope, queue: str) -> tuple[str, str]:
         "root_id": task_id,
         "parent_id": None,
         # what Flower shows instead of the whole prompt
-        "argsrepr": f"{job.type} id={job.id} batch={env.batch}",
+        "argsrepr": f"{job.type} id={job.id} batch={env.batch} prefix={env.prefix_key}",
         "kwargsrepr": "{}",
         "origin": _ORIGIN,
         "ignore_result": True,

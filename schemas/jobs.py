@@ -8,12 +8,13 @@ the model's context) is reported per job as a failed ``JobResult``.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import uuid
 from typing import Annotated, Any, Literal
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Bounds that keep one hostile line from costing the fleet more than its own failure.
 MAX_TEXT_CHARS = 1_000_000  # ~250k tokens: larger than any context we serve, still bounded
@@ -142,6 +143,30 @@ JobType = Literal["summarize", "extract", "codegen", "chat"]
 JOB_TYPES: tuple[str, ...] = ("summarize", "extract", "codegen", "chat")
 
 
+def prefix_key(job: SummarizeJob | ExtractJob | CodegenJob | ChatJob) -> str:
+    """A short hash of the part of a job's prompt that other jobs can share, without a tokenizer.
+
+    It follows the order ``worker/prompts.py`` renders a job in: the system prompt, then the
+    per-type head of the user turn (the summary instruction; the extraction instruction and
+    schema; the code context), then the job's own text. Jobs with equal keys start with the same
+    tokens, so once one of them is prefilled the rest hit vLLM's prefix cache.
+    """
+    if isinstance(job, SummarizeJob):
+        parts: list[Any] = [job.type, job.max_words, job.style]
+    elif isinstance(job, ExtractJob):
+        parts = [job.type, job.instruction, _schema_text(job.json_schema)]
+    elif isinstance(job, CodegenJob):
+        parts = [job.type, job.language, job.context]
+    else:  # everything before the last message
+        parts = [job.type, [(m.role, m.content) for m in job.messages[:-1]]]
+    raw = json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.blake2b(raw.encode(), digest_size=8).hexdigest()
+
+
+def _schema_text(schema: dict[str, Any]) -> str:
+    return json.dumps(schema, separators=(",", ":"))
+
+
 class Envelope(BaseModel):
     """What travels in the Celery message: the job plus the bookkeeping the producer adds."""
 
@@ -154,3 +179,11 @@ class Envelope(BaseModel):
     # the OpenAI request's "model" field, echoed in the response body
     model: str | None = None
     enqueued_at: float
+    # jobs with one key share a prompt prefix (``prefix_key``); filled in when not given
+    prefix_key: str | None = Field(default=None, max_length=64)
+
+    @model_validator(mode="after")
+    def _fill_prefix_key(self) -> Envelope:
+        if self.prefix_key is None:
+            self.prefix_key = prefix_key(self.job)
+        return self

@@ -52,6 +52,7 @@ class JobResult(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     format: Literal["vqueue", "openai"] = "vqueue"
     model: str | None = None  # the model that served the job
+    prefix_key: str | None = None  # the job's shared-prefix group (schemas.jobs.prefix_key)
 
 
 class BatchStatus(BaseModel):

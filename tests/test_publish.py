@@ -19,7 +19,7 @@ def test_message_matches_what_celery_and_kombu_write(redis_client: redis.Redis) 
     app = create_app(make_settings(queue))
     job = SummarizeJob(type="summarize", id="a1", text="Some text.", priority=7)
     env = Envelope(job=job, batch="b1", enqueued_at=1.0)
-    argsrepr = "summarize id=a1 batch=b1"
+    argsrepr = f"summarize id=a1 batch=b1 prefix={env.prefix_key}"
     app.send_task(
         "vqueue.summarize",
         args=[env.model_dump(mode="json")],

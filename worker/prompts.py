@@ -37,10 +37,9 @@ def build_messages(job: SummarizeJob | ExtractJob | CodegenJob | ChatJob) -> Mes
         schema = json.dumps(job.json_schema, separators=(",", ":"))
         user = f"{ask}\nJSON Schema: {schema}\n\nText:\n{job.text}"
     else:
-        user = job.instruction
-        if job.context:
-            user += f"\n\nExisting code:\n```{job.language}\n{job.context}\n```"
-        user += f"\n\nAnswer with one ```{job.language} code block."
+        # shared code context first, so jobs about the same code share its prefix
+        user = f"Existing code:\n```{job.language}\n{job.context}\n```\n\n" if job.context else ""
+        user += f"{job.instruction}\n\nAnswer with one ```{job.language} code block."
     return [{"role": "system", "content": SYSTEM[job.type]}, {"role": "user", "content": user}]
 
 

@@ -49,6 +49,7 @@ def run_job(env: Envelope, engine: EngineHost, settings: Settings, worker: str) 
         metadata=job.metadata,
         format=env.format,
         model=env.model or engine.model_name,
+        prefix_key=env.prefix_key,
     )
     try:
         prompt = engine.chat_prompt(build_messages(job))
