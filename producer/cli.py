@@ -295,17 +295,23 @@ def _batch_status(client: Any, batch: str, as_json: bool) -> str:
 
 
 def _fleet_status(client: Any, as_json: bool) -> str:
+    """Every live worker (from its heartbeat) and the depth of every queue one consumes."""
     workers = client.store.workers()
-    depth = client.queue_depth()
+    names = sorted({client.settings.queue, *(w.get("queue") for w in workers if w.get("queue"))})
+    depths = {q: client.queue_depth(q) for q in names}
     if as_json:
-        return json.dumps({"queue": client.settings.queue, "depth": depth, "workers": workers})
-    lines = [f"queue {client.settings.queue}: {depth} waiting", f"{len(workers)} live worker(s)"]
+        return json.dumps({"queues": depths, "workers": workers})
+    lines = [f"queue {q}: {d} waiting" for q, d in depths.items()]
+    lines.append(f"{len(workers)} live worker(s)")
     for w in workers:
         up = time.time() - (w.get("started_at") or time.time())
+        kv = w.get("kv_cache_usage")
         lines.append(
             f"  {w['name']}  host={w['host']} gpus={w.get('gpus') or '-'} model={w['model']}"
-            f" in_flight={w['in_flight']}/{w['concurrency']} done={w['jobs_done']}"
-            f" up={up:.0f}s"
+            f" queue={w.get('queue')} in_flight={w['in_flight']}/{w['concurrency']}"
+            f" done={w['jobs_done']} tok/s={w.get('tokens_per_s', 0):.0f}"
+            f" running={w.get('engine_running', '-')} waiting={w.get('engine_waiting', '-')}"
+            f" kv={f'{kv:.0%}' if kv is not None else '-'} up={up:.0f}s"
         )
     return "\n".join(lines)
 
@@ -438,6 +444,11 @@ def schema(kind: str) -> None:
 @click.option("--model", help="HF id or local path [env VQUEUE_MODEL]")
 @click.option("-c", "--concurrency", type=int, help="Jobs held at once [env VQUEUE_CONCURRENCY]")
 @click.option("-n", "--hostname", help="Celery node name (default vqueue-gpuN@host)")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    help="Prometheus port, 0 for none [env VQUEUE_METRICS_PORT; default 9808 + first GPU id]",
+)
 @click.option("-l", "--loglevel", default="INFO", show_default=True)
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
@@ -447,6 +458,7 @@ def worker(
     model: str | None,
     concurrency: int | None,
     hostname: str | None,
+    metrics_port: int | None,
     loglevel: str,
     celery_args: tuple[str, ...],
 ) -> None:
@@ -464,6 +476,11 @@ def worker(
             fail(f"--gpus takes GPU ids like 0 or 0,1, not {gpus!r}", RET_USAGE)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
         env.setdefault("VQUEUE_TENSOR_PARALLEL_SIZE", str(len(ids)))
+    if metrics_port is not None:
+        env["VQUEUE_METRICS_PORT"] = str(metrics_port)
+    elif gpus is not None and "VQUEUE_METRICS_PORT" not in os.environ and s.metrics_port:
+        # one worker per GPU on a host: each needs its own port
+        env["VQUEUE_METRICS_PORT"] = str(s.metrics_port + int(ids[0]))
     if model:
         env["VQUEUE_MODEL"] = model
     if concurrency:

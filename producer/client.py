@@ -176,10 +176,10 @@ class Client:
         pipe.execute()
         send_envelopes(self.broker, envelopes, self.settings.queue)
 
-    def queue_depth(self) -> int:
+    def queue_depth(self, queue: str | None = None) -> int:
         from .publish import queue_depth
 
-        return queue_depth(self.broker, self.settings.queue)
+        return queue_depth(self.broker, queue or self.settings.queue)
 
 
 class AsyncClient:

@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     gpus: str | None = None  # CUDA_VISIBLE_DEVICES for this worker
     heartbeat_s: float = 5.0  # how often a worker refreshes its liveness key
     log_stats_s: float = 10.0  # how often the engine logs vLLM's stats line; 0 turns it off
+    # Prometheus /metrics (vqueue_* and vLLM's vllm:*); 0 turns it off. `vqueue worker --gpus N`
+    # adds N, so one worker per GPU on a host gets its own port.
+    metrics_port: int = Field(default=9808, ge=0, le=65535)
+    metrics_host: str = "0.0.0.0"
 
     # -- per-type output budgets when a job sets no max_tokens
     max_tokens_summarize: int = 256

@@ -68,6 +68,7 @@ class _WorkerState:
 
     engine: Any = None
     name: str = ""
+    metrics_url: str | None = None
     stop = threading.Event()
 
 
@@ -78,6 +79,9 @@ state = _WorkerState()
 def _build_engine(sender: Any = None, **_: Any) -> None:
     import importlib
 
+    from . import metrics
+
+    state.metrics_url = metrics.serve(settings.metrics_port, settings.metrics_host)
     try:
         module, _sep, cls = settings.engine_class.partition(":")
         state.engine = getattr(importlib.import_module(module), cls)(settings)
@@ -127,7 +131,11 @@ def _heartbeat() -> None:
             "jobs_done": e.jobs_done if e else 0,
             "started_at": e.started_at if e else None,
             "updated_at": time.time(),
+            "metrics_url": state.metrics_url,
         }
+        stats = getattr(e, "stats", None)
+        if stats is not None:
+            info.update(stats.snapshot())
         try:
             store.heartbeat(state.name, info, ttl_s=3 * settings.heartbeat_s)
         except Exception as exc:  # Redis restarting: keep trying, the worker itself is fine

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from schemas import Settings
 
+from .metrics import EngineStats
 from .models import resolve_model
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class EngineHost:
         self.max_in_flight = 0
         self.jobs_done = 0
         self.started_at = time.time()
+        self.stats = EngineStats()
         self.engine = self._call(self._build())
         tokenizer = self.engine.get_tokenizer()
         if asyncio.iscoroutine(tokenizer):  # vLLM < 0.30 made it a coroutine
@@ -72,7 +74,10 @@ class EngineHost:
 
         kwargs = engine_kwargs(self.settings, self.model_path)
         log.info("starting vLLM engine: %s", kwargs)
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        # our stat logger rides along with vLLM's own (log line, vllm:* Prometheus metrics)
+        # (EngineStats has StatLoggerBase's methods without importing vLLM to inherit them)
+        loggers: list[Any] = [lambda *_a, **_k: self.stats]
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=loggers)
         if self.settings.log_stats_s > 0:
             self._stats_task = asyncio.get_running_loop().create_task(self._log_stats(engine))
         return engine

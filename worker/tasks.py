@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from producer.publish import task_name
 from schemas import JOB_TYPES, Envelope, JobError, JobResult, Timings
 
+from . import metrics
 from .app import app, settings, state
 
 _store: Any = None
@@ -32,6 +33,11 @@ def store() -> Any:
 
 
 def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
+    with metrics.IN_FLIGHT.track_inprogress():
+        return _run(task, payload)
+
+
+def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
     from .runner import run_job
 
     try:
@@ -50,9 +56,13 @@ def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
         )
     else:
         if store().has_result(env.batch, env.job.id):
+            metrics.duplicate(env.job.type)
             return {"id": env.job.id, "status": "duplicate"}
         result = run_job(env, state.engine, settings, task.request.hostname or state.name)
-    store().record(result)
+    if store().record(result):
+        metrics.observe(result)
+    else:
+        metrics.duplicate(result.type)
     summary = {"id": result.id, "status": result.status, "tokens": result.usage.completion_tokens}
     if result.error:
         summary["error"] = result.error.type
