@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -55,6 +56,12 @@ def _pings(client: redis.Redis) -> bool:
         return False
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def make_settings(queue: str, **extra: object) -> Settings:
     return Settings(_env_file=None, broker_url=REDIS_URL, queue=queue, key_prefix="vqtest", **extra)
 
@@ -71,6 +78,7 @@ def worker_env(queue: str, **extra: str) -> dict[str, str]:
         VQUEUE_MAX_MODEL_LEN="2048",
         VQUEUE_CONCURRENCY="16",
         VQUEUE_HEARTBEAT_S="1",
+        VQUEUE_METRICS_PORT="0",
         PYTHONUNBUFFERED="1",
     )
     env.update(extra)
@@ -82,6 +90,8 @@ class WorkerProc:
 
     def __init__(self, name: str, queue: str, **env: str) -> None:
         self.name, self.queue = name, queue
+        self.metrics_port = free_port()
+        env.setdefault("VQUEUE_METRICS_PORT", str(self.metrics_port))
         ARTIFACTS.mkdir(exist_ok=True)
         self.log_path = ARTIFACTS / f"worker-{name}.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115

@@ -257,18 +257,6 @@ def test_unusable_input_file_exits_non_zero(tmp_path: Path, content: bytes | Non
     assert proc.stdout == b""  # no batch id: nothing was enqueued
 
 
-def test_status_shows_the_worker_and_the_batch(client: Client) -> None:
-    fleet = json.loads(run_cli("status", "--json").stdout)
-    (w,) = [w for w in fleet["workers"] if w["name"] == "w1@test"]
-    assert w["model"] == "smollm2-135m-instruct" and w["concurrency"] == 16
-    b = client.submit({"type": "summarize", "text": "Short.", "max_tokens": 8})
-    b.wait(timeout=120)
-    st = json.loads(run_cli("status", b.id, "--json").stdout)
-    assert (st["total"], st["completed"], st["remaining"]) == (1, 1, 0)
-    missing = run_cli("status", "no-such-batch")
-    assert missing.returncode == 5 and "no batch" in missing.stderr.decode()
-
-
 def test_unreachable_broker_is_one_line_and_exit_4() -> None:
     proc = subprocess.run(
         [*_cli(), "--broker", "redis://127.0.0.1:1/0", "status"], capture_output=True, timeout=60

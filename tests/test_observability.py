@@ -1,0 +1,238 @@
+"""What operators see: Flower's API and pages, the worker's Prometheus metrics, `vqueue status`.
+
+All against the real worker (real engine), a real Flower process and Debian's Chromium.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import urllib.request
+from base64 import b64encode
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from producer import Client
+
+from .conftest import ARTIFACTS, ROOT, WorkerProc, free_port, run_cli, wait_for, worker_env
+
+pytestmark = pytest.mark.engine
+
+FLOWER_AUTH = ("admin", "s3cret")
+
+
+def _get(url: str, auth: tuple[str, str] | None = None, timeout: float = 10) -> bytes:
+    req = urllib.request.Request(url)
+    if auth:
+        req.add_header("Authorization", "Basic " + b64encode(":".join(auth).encode()).decode())
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return bytes(resp.read())
+
+
+def _get_json(url: str, auth: tuple[str, str] | None = None) -> Any:
+    try:
+        return json.loads(_get(url, auth))
+    except OSError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def flower(worker: WorkerProc) -> Iterator[str]:
+    """Flower on the test broker, with basic auth as in docker-compose.yml."""
+    port = free_port()
+    log = open(ARTIFACTS / "flower.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "worker.app", "flower", f"--port={port}",
+         "--address=127.0.0.1", f"--basic-auth={':'.join(FLOWER_AUTH)}"],
+        cwd=ROOT, env=worker_env(worker.queue), stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        # /api/workers asks the workers over the broker: an answer means Flower is wired up
+        wait_for(
+            lambda: "w1@test" in (_get_json(f"{url}/api/workers", FLOWER_AUTH) or {}),
+            60,
+            "Flower to see the worker",
+            interval=1,
+        )
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def _flower_batch(client: Client) -> tuple[str, list[str]]:
+    ids = ["fl-sum", "fl-ext", "fl-code"]
+    jobs = [
+        {"id": ids[0], "type": "summarize", "text": "Rain fell all week.", "max_tokens": 12},
+        {
+            "id": ids[1],
+            "type": "extract",
+            "text": "Ann is 31.",
+            "max_tokens": 24,
+            "json_schema": {"type": "object", "properties": {"age": {"type": "integer"}}},
+        },
+        {"id": ids[2], "type": "codegen", "instruction": "Add two numbers.", "max_tokens": 24},
+    ]
+    batch = client.submit_many(jobs)
+    batch.wait(timeout=300)
+    return batch.id, ids
+
+
+def test_flower_api_lists_jobs_readably(flower: str, client: Client) -> None:
+    # Given Flower watching the broker, and a batch that has run
+    batch, ids = _flower_batch(client)
+    task_ids = {f"{batch}:{i}" for i in ids}
+
+    # When Flower's REST API is asked for tasks
+    def seen() -> dict[str, Any] | None:
+        tasks = _get_json(f"{flower}/api/tasks?limit=1000", FLOWER_AUTH) or {}
+        mine = {k: v for k, v in tasks.items() if k in task_ids}
+        done = len(mine) == 3 and all(t["state"] == "SUCCESS" for t in mine.values())
+        return mine if done else None
+
+    tasks = wait_for(seen, 60, "Flower to list the batch's tasks")
+
+    # Then each shows its per-type name, a one-line args summary, and a short result
+    for job_id, type_ in zip(ids, ["summarize", "extract", "codegen"], strict=True):
+        t = tasks[f"{batch}:{job_id}"]
+        assert t["name"] == f"vqueue.{type_}"
+        assert t["args"].startswith(f"{type_} id={job_id} batch={batch} prefix=")
+        assert len(t["args"]) < 120 and "Rain fell" not in t["args"]
+        assert "'status': 'completed'" in t["result"] and len(t["result"]) < 120
+        assert t["worker"] == "w1@test"
+    workers = _get_json(f"{flower}/api/workers?refresh=1", FLOWER_AUTH)
+    assert "w1@test" in workers
+    # the API refuses anyone without the password
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        _get(f"{flower}/api/tasks")
+    assert denied.value.code == 401
+
+
+@pytest.mark.skipif(not shutil.which("chromium"), reason="Debian's chromium is not installed")
+def test_flower_tasks_page_in_chromium(flower: str, client: Client) -> None:
+    # Given a finished batch
+    batch, ids = _flower_batch(client)
+    url = flower.replace("http://", f"http://{':'.join(FLOWER_AUTH)}@") + "/tasks"
+    shot = ARTIFACTS / "flower-tasks.png"
+    chrome = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+              "--virtual-time-budget=10000", "--window-size=1600,900"]  # fmt: skip
+
+    # When headless Chromium loads Flower's tasks page (its table is filled by XHR)
+    def page() -> str | None:
+        dom = subprocess.run([*chrome, "--dump-dom", url], capture_output=True, timeout=120)
+        text = dom.stdout.decode(errors="replace")
+        return text if all(f"{batch}:{i}" in text for i in ids) else None
+
+    dom = wait_for(page, 60, "the job ids on Flower's tasks page", interval=2)
+    subprocess.run([*chrome, f"--screenshot={shot}", url], capture_output=True, timeout=120)
+
+    # Then the page names the jobs by type and id, and the screenshot is kept
+    assert "vqueue.extract" in dom and "vqueue.codegen" in dom
+    assert shot.stat().st_size > 10_000 and shot.read_bytes()[:4] == b"\x89PNG"
+
+
+def _on_a_terminal(*args: str) -> bytes:
+    """stdout of a CLI run on a pseudo-terminal (click drops escape codes on a pipe)."""
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "producer.cli", *args],
+        cwd=ROOT, env=worker_env("vqtest-main"), stdout=follower, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    os.close(follower)
+    assert proc.wait(60) == 0
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the terminal's other end is closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(leader)
+    return out
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = _get(f"http://127.0.0.1:{port}/metrics").decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _delta(before: dict, after: dict, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_count_a_batch(worker: WorkerProc, client: Client) -> None:
+    # Given the worker's metrics before a batch of 3 summaries and 1 job too long for the context
+    before = _scrape(worker.metrics_port)
+    jobs: list[dict[str, Any]] = [
+        {"id": f"m{i}", "type": "summarize", "text": f"Item {i} was shipped late.", "max_tokens": 8}
+        for i in range(3)
+    ]
+    jobs.append({"id": "m-long", "type": "summarize", "text": "word " * 3000, "max_tokens": 8})
+
+    # When the batch runs
+    batch = client.submit_many(jobs)
+    results = {r.id: r for r in batch.results(timeout=300)}
+    after = _scrape(worker.metrics_port)
+
+    # Then the counters moved by exactly this batch
+    assert results["m-long"].error and results["m-long"].error.type == "prompt_too_long"
+    d = lambda name, **kw: _delta(before, after, name, **kw)  # noqa: E731
+    assert d("vqueue_jobs_completed_total", type="summarize") == 3
+    assert d("vqueue_jobs_failed_total", type="summarize", error="prompt_too_long") == 1
+    assert d("vqueue_queue_wait_seconds_count", type="summarize") == 4
+    assert d("vqueue_time_to_first_token_seconds_count", type="summarize") == 3
+    tokens = sum(r.usage.completion_tokens for r in results.values())
+    assert d("vqueue_generation_tokens_total", type="summarize") == tokens > 0
+    prompt = sum(r.usage.prompt_tokens for r in results.values())
+    assert d("vqueue_prompt_tokens_total", type="summarize") == prompt
+    # the engine's own view: every generated token, every prompt token looked up in the cache
+    assert d("vqueue_engine_generation_tokens_total") == tokens
+    assert d("vqueue_prefix_cache_queries_tokens_total") == prompt
+    assert d("vqueue_prefix_cache_hits_tokens_total") >= 0
+    for gauge in ("vqueue_engine_running_requests", "vqueue_engine_kv_cache_usage_ratio"):
+        assert (gauge, ()) in after
+    # vLLM's own metrics are served on the same port
+    assert any(name.startswith("vllm:") for name, _ in after)
+
+
+def test_status_shows_workers_queues_and_batches(client: Client) -> None:
+    # Given a finished batch
+    b = client.submit({"type": "summarize", "text": "Short.", "max_tokens": 8})
+    b.wait(timeout=120)
+
+    # When status is asked for the fleet and for the batch
+    fleet = json.loads(run_cli("status", "--json").stdout)
+    st = json.loads(run_cli("status", b.id, "--json").stdout)
+    text = run_cli("status").stdout.decode()
+    watch = _on_a_terminal("status", b.id, "--watch")
+
+    # Then the worker shows host, model, load and engine figures; the queue its depth
+    (w,) = [w for w in fleet["workers"] if w["name"] == "w1@test"]
+    assert w["model"] == "smollm2-135m-instruct" and w["concurrency"] == 16
+    assert w["metrics_url"].endswith("/metrics") and w["host"]
+    assert {"tokens_per_s", "engine_running", "engine_waiting", "kv_cache_usage"} <= w.keys()
+    assert fleet["queues"]["vqtest-main"] == 0
+    assert "w1@test" in text and "tok/s=" in text and "queue vqtest-main: 0 waiting" in text
+    # and the batch its counts, rate and ETA; --watch redraws in place and ends with the batch
+    assert (st["total"], st["completed"], st["remaining"]) == (1, 1, 0)
+    assert st["rate_per_s"] > 0 and st["eta_s"] == 0
+    assert watch.startswith(b"\x1b[H\x1b[2J") and b"1/1 done" in watch
+    missing = run_cli("status", "no-such-batch")
+    assert missing.returncode == 5 and "no batch" in missing.stderr.decode()
