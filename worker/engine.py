@@ -9,6 +9,7 @@ prefix cache do their work. The engine is built once, at worker start, and never
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -21,6 +22,7 @@ from schemas import Settings
 
 from .metrics import EngineStats
 from .models import resolve_model
+from .prompts import render
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,6 +35,14 @@ CPU_DEFAULT_DTYPE = "float32"
 
 class EngineError(RuntimeError):
     """The engine refused or failed one request; the job fails, the worker carries on."""
+
+
+class JobTimeout(RuntimeError):
+    """The request was still running after ``job_timeout_s``; it was aborted in the engine."""
+
+
+class EngineDead(RuntimeError):
+    """The engine process is gone: no job can run here any more; the worker must restart."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,7 @@ class EngineHost:
         self.max_in_flight = 0
         self.jobs_done = 0
         self.started_at = time.time()
+        self._nonce = uuid.uuid4().hex[:8]
         self.stats = EngineStats()
         self.engine = self._call(self._build())
         tokenizer = self.engine.get_tokenizer()
@@ -93,19 +104,26 @@ class EngineHost:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of ``messages`` rendered with the model's own chat template."""
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Token ids of ``messages`` in the model's chat template; see ``prompts.render``."""
+        try:
+            return render(self.tokenizer, messages, self._nonce)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
 
-    def generate(self, prompt_ids: list[int], params: Any) -> Generation:
+    def generate(
+        self, prompt_ids: list[int], params: Any, timeout_s: float | None = None
+    ) -> Generation:
         """Run one request to completion; blocks the calling (task) thread, not the engine."""
         with self._lock:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        limit = min(timeout_s or self.settings.job_timeout_s, self.settings.job_timeout_s)
+        future = asyncio.run_coroutine_threadsafe(self._generate(prompt_ids, params), self._loop)
         try:
-            return self._call(self._generate(prompt_ids, params))
+            return future.result(timeout=limit)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # CancelledError inside _generate: the engine aborts the request
+            raise JobTimeout(f"still generating after {limit:g}s; aborted") from None
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -124,6 +142,8 @@ class EngineHost:
             await self.engine.abort(request_id)
             raise
         except Exception as exc:  # vLLM's own validation errors, engine-side failures
+            if type(exc).__name__ == "EngineDeadError" or self.engine.errored:
+                raise EngineDead(f"{type(exc).__name__}: {exc}") from exc
             raise EngineError(f"{type(exc).__name__}: {exc}") from exc
         if final is None or not final.outputs:
             raise EngineError("the engine returned no output")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from schemas import ChatJob, CodegenJob, ExtractJob, SummarizeJob
 
@@ -51,3 +52,28 @@ def extract_code(text: str) -> str:
     no fence at all means the whole answer is code."""
     m = _FENCE.search(text)
     return (m.group(1) if m else text).strip("\n")
+
+
+def render(tokenizer: Any, messages: Messages, nonce: str = "0") -> list[int]:
+    """Token ids of ``messages`` rendered with the model's own chat template.
+
+    Message contents are tokenized on their own with special tokens split, so a job's text that
+    contains ``<|im_start|>system`` (or any role marker) reads as those characters, never as the
+    marker, and cannot open a turn of its own. The template around them is tokenized as usual;
+    since contents sit between a newline or a marker and a marker, the ids of ordinary text are
+    the same as tokenizing the whole rendered prompt at once.
+    """
+    slots = [f"VQSLOT{nonce}{i}X" for i in range(len(messages))]
+    skeleton = [{**m, "content": slot} for m, slot in zip(messages, slots, strict=True)]
+    text = tokenizer.apply_chat_template(skeleton, add_generation_prompt=True, tokenize=False)
+    ids: list[int] = []
+    pos = 0
+    for m, slot in zip(messages, slots, strict=True):
+        at = text.find(slot, pos)
+        if at < 0:  # a template that rewrites content: refuse rather than mis-tokenize
+            raise ValueError("the chat template altered a message; cannot build the prompt")
+        ids += tokenizer.encode(text[pos:at], add_special_tokens=False)
+        ids += tokenizer.encode(m["content"], add_special_tokens=False, split_special_tokens=True)
+        pos = at + len(slot)
+    ids += tokenizer.encode(text[pos:], add_special_tokens=False)
+    return ids
