@@ -53,9 +53,9 @@ class Ctx:
         if self._client is None:
             from .client import Client
 
-            self._client = Client(self.settings)
-            try:
-                self._client.store.r.ping()
+            try:  # fail fast here; the client's own connections ride out a later restart
+                redis.Redis.from_url(self.settings.backend_url(), socket_connect_timeout=5).ping()
+                self._client = Client(self.settings)
             except redis.RedisError as exc:
                 fail(
                     f"cannot reach Redis at {_redact(self.settings.backend_url())}: {exc}",
@@ -136,7 +136,9 @@ def submit(
         stack.enter_context(fh)
         errors_out = stack.enter_context(open(errors_path, "w")) if errors_path else None
         bar = _bar(quiet, total=size, unit="B", unit_scale=True, desc="submit")
-        client.store.create(batch, "vqueue", source=None if file == "-" else os.path.abspath(file))
+        created = client.store.create(
+            batch, "vqueue", source=None if file == "-" else os.path.abspath(file)
+        )
         good = rejected = 0
 
         def lines() -> Iterator[bytes]:
@@ -166,7 +168,7 @@ def submit(
                     job=p.job, batch=batch, format=p.format, model=p.model, enqueued_at=time.time()
                 )
 
-        client.submit_many(envelopes(), batch=batch, seal=False)
+        handle = client.submit_many(envelopes(), batch=batch, seal=False)
         client.store.seal(batch, rejected=rejected)
         bar.close()
         if rejected > MAX_ECHOED_ERRORS:
@@ -176,13 +178,20 @@ def submit(
                 err=True,
             )
         if good == 0:
-            client.store.delete(batch)
+            if created:
+                client.store.delete(batch)
             fail(
                 f"{file}: no valid job in {rejected} non-blank lines; nothing was enqueued"
                 if rejected
                 else f"{file}: no jobs (empty input)",
                 RET_INPUT,
             )
+        if handle.skipped:
+            click.echo(
+                f"{handle.skipped} job(s) skipped: their ids already have results in batch {batch}",
+                err=True,
+            )
+        good -= handle.skipped
         click.echo(f"batch {batch}: {good} jobs enqueued, {rejected} lines rejected", err=True)
         if not as_json:
             click.echo(batch)
@@ -383,6 +392,59 @@ def render_table(rows: list[JobResult], width: int = 60) -> str:
             f"{r.usage.completion_tokens:>6} {secs:>6.1f}  {shown}"
         )
     return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------- dlq
+@cli.group()
+def dlq() -> None:
+    """Dead letters: jobs whose worker was lost every time they ran (VQUEUE_MAX_DELIVERIES)."""
+
+
+@dlq.command("list")
+@click.option("--batch", help="Only this batch's dead letters.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.pass_obj
+def dlq_list(obj: Ctx, batch: str | None, as_json: bool) -> None:
+    """Dead letters, oldest first: task id (BATCH:JOB), type, deliveries, when, last error."""
+    entries = obj.client.store.dead_letters(batch)
+    for e in entries:
+        if as_json:
+            click.echo(json.dumps({k: v for k, v in e.items() if k != "envelope"}))
+        else:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["dead_at"]))
+            err = (e.get("error") or {}).get("type", "-")
+            click.echo(f"{e['task_id']}  {e['type']}  attempts={e['attempts']}  {when}  {err}")
+    if not as_json:
+        click.echo(f"{len(entries)} dead letter(s)", err=True)
+
+
+@dlq.command("show")
+@click.argument("task_id")
+@click.pass_obj
+def dlq_show(obj: Ctx, task_id: str) -> None:
+    """One dead letter in full, the job's envelope included (JSON)."""
+    entry = obj.client.store.dead_letter_entry(task_id)
+    if entry is None:
+        hint = "ids are BATCH:JOB; see 'vqueue dlq list'"
+        fail(f"no dead letter {task_id!r} ({hint})", RET_NOT_FOUND)
+    click.echo(json.dumps(entry, indent=2, ensure_ascii=False))
+
+
+@dlq.command("requeue")
+@click.argument("task_ids", nargs=-1)
+@click.option("--all", "everything", is_flag=True, help="Every dead letter (of --batch).")
+@click.option("--batch", help="With --all: only this batch's.")
+@click.pass_obj
+def dlq_requeue(obj: Ctx, task_ids: tuple[str, ...], everything: bool, batch: str | None) -> None:
+    """Send dead letters back to the queue; their failed results are withdrawn."""
+    client = obj.client
+    if everything == bool(task_ids):
+        fail("give TASK_IDS or --all (not both)", RET_USAGE)
+    ids = [e["task_id"] for e in client.store.dead_letters(batch)] if everything else task_ids
+    missing = [t for t in ids if not client.requeue_dead_letter(t)]
+    click.echo(f"{len(ids) - len(missing)} job(s) requeued", err=True)
+    if missing:
+        fail(f"no dead letter {', '.join(map(repr, missing))}", RET_NOT_FOUND)
 
 
 # ------------------------------------------------------------------------------------- ping

@@ -17,7 +17,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
-import redis
 from pydantic import TypeAdapter
 
 from schemas import BatchStatus, Envelope, Job, JobResult, Settings, get_settings
@@ -25,8 +24,10 @@ from schemas import BatchStatus, Envelope, Job, JobResult, Settings, get_setting
 from .store import BatchStore
 
 _job_adapter: TypeAdapter[Any] = TypeAdapter(Job)
-# Jobs per Redis pipeline flush: large enough to amortize round trips, small enough to stream.
+# Jobs per Redis pipeline flush: large enough to amortize round trips, small enough to stream;
+# and a byte bound, so a chunk of long documents stays a reasonable request.
 PUBLISH_CHUNK = 1000
+PUBLISH_CHUNK_BYTES = 16 * 1024 * 1024
 
 
 class VQueueError(Exception):
@@ -52,6 +53,8 @@ class Batch:
         self.client = client
         self.id = batch_id
         self.last_entry = "0-0"  # the stream entry of the last result read; resume from it
+        # submit_many: jobs not sent because their id already had a result in this batch
+        self.skipped = 0
 
     def __repr__(self) -> str:
         return f"Batch({self.id!r})"
@@ -110,10 +113,12 @@ class Client:
     def __init__(self, settings: Settings | None = None, **overrides: Any) -> None:
         self.settings = (settings or get_settings()).model_copy(update=overrides)
         s = self.settings
-        self.store = BatchStore.from_url(s.backend_url(), s.key_prefix, s.result_ttl_s)
+        self.store = BatchStore.from_settings(s)
         # jobs go to the broker; batches and results live in the result backend (often the same)
         same = s.broker_url == s.backend_url()
-        self.broker = self.store.r if same else redis.Redis.from_url(s.broker_url)
+        self.broker = (
+            self.store.r if same else BatchStore.from_url(s.broker_url, retry_s=s.redis_retry_s).r
+        )
 
     def batch(self, batch_id: str) -> Batch:
         return Batch(self, batch_id)
@@ -137,23 +142,27 @@ class Client:
         more ``submit_many`` calls with the same id; ``seal_batch`` closes it.
         """
         batch_id = batch or new_batch_id()
-        if self.store.status(batch_id) is None:
-            self.store.create(batch_id, "vqueue", source)
+        self.store.create(batch_id, "vqueue", source)
         chunk: list[Envelope] = []
+        size = skipped = 0
         for item in jobs:
-            chunk.append(self._envelope(item, batch_id))
-            if len(chunk) >= PUBLISH_CHUNK:
-                self._publish(chunk, batch_id)
+            env = self._envelope(item, batch_id)
+            chunk.append(env)
+            size += _size(env)
+            if len(chunk) >= PUBLISH_CHUNK or size >= PUBLISH_CHUNK_BYTES:
+                skipped += self._publish(chunk, batch_id)
                 if on_progress:
                     on_progress(len(chunk))
-                chunk = []
+                chunk, size = [], 0
         if chunk:
-            self._publish(chunk, batch_id)
+            skipped += self._publish(chunk, batch_id)
             if on_progress:
                 on_progress(len(chunk))
         if seal:
             self.store.seal(batch_id)
-        return Batch(self, batch_id)
+        b = Batch(self, batch_id)
+        b.skipped = skipped
+        return b
 
     def seal_batch(self, batch_id: str) -> None:
         self.store.seal(batch_id)
@@ -164,22 +173,50 @@ class Client:
         job = item if not isinstance(item, dict) else _job_adapter.validate_python(item)
         return Envelope(job=job, batch=batch_id, enqueued_at=time.time())
 
-    def _publish(self, envelopes: list[Envelope], batch_id: str) -> None:
-        """Count, then send, one chunk (a pipelined round trip each).
+    def _publish(self, envelopes: list[Envelope], batch_id: str) -> int:
+        """Claim, then send, one chunk (a round trip each); returns how many were skipped
+        because their id already has a result in this batch.
 
-        Counting first means a fast worker can never finish more jobs than ``total`` says.
+        Claiming first means a fast worker can never finish more jobs than ``total`` says, and a
+        re-submitted id is counted once. An id enqueued before but not finished is sent again
+        (the earlier message may be gone with a crashed producer); the worker runs it once.
         """
         from .publish import send_envelopes
 
-        pipe = self.store.r.pipeline(transaction=False)
-        self.store.add_total(pipe, batch_id, len(envelopes))
-        pipe.execute()
-        send_envelopes(self.broker, envelopes, self.settings.queue)
+        flags = self.store.claim(batch_id, [e.job.id for e in envelopes])
+        todo = [e for e, f in zip(envelopes, flags, strict=True) if f >= 0]
+        send_envelopes(self.broker, todo, self.settings.queue)
+        return len(envelopes) - len(todo)
+
+    def requeue_dead_letter(self, task_id: str) -> bool:
+        """Run a dead-lettered job again: its failed result is withdrawn, its envelope sent to
+        this client's queue. False when there is no such dead letter."""
+        from .publish import send_envelopes
+
+        entry = self.store.dead_letter_entry(task_id)
+        if entry is None:
+            return False
+        env = Envelope.model_validate(entry["envelope"])
+        self.store.forget(env.batch, env.job.id)
+        send_envelopes(self.broker, [env], self.settings.queue)
+        self.store.drop_dead_letter(task_id)
+        return True
 
     def queue_depth(self, queue: str | None = None) -> int:
         from .publish import queue_depth
 
         return queue_depth(self.broker, queue or self.settings.queue)
+
+
+def _size(env: Envelope) -> int:
+    """Roughly the message's bytes: the job's long texts dominate."""
+    job = env.job
+    n = 512
+    for name in ("text", "instruction", "context"):
+        n += len(getattr(job, name, None) or "")
+    for m in getattr(job, "messages", None) or ():
+        n += len(m.content)
+    return n
 
 
 class AsyncClient:
@@ -190,7 +227,16 @@ class AsyncClient:
 
         self._sync = Client(settings, **overrides)
         self.settings = self._sync.settings
-        self._r = aioredis.Redis.from_url(self.settings.backend_url(), decode_responses=True)
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
+        from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
+
+        self._r = aioredis.Redis.from_url(
+            self.settings.backend_url(),
+            decode_responses=True,
+            retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), int(self.settings.redis_retry_s)),
+            retry_on_error=[BusyLoadingError, ConnectionError, TimeoutError],
+        )
 
     async def submit_many(self, jobs: Iterable[Any], batch: str | None = None) -> str:
         items = list(jobs)

@@ -70,13 +70,13 @@ def parse_line(n: int, raw: bytes, default_priority: int | None = None) -> Parse
     if raw == b"\0TOO_LONG" or len(raw) > MAX_LINE_BYTES:
         return Parsed(n, error=f"line is longer than {MAX_LINE_BYTES} bytes")
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as exc:
         return Parsed(n, error=f"not valid UTF-8 at byte {exc.start}")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        return Parsed(n, error=f"not valid JSON: {exc.msg} at column {exc.colno}")
+        return Parsed(n, error=f"not valid JSON: {exc.msg} (column {exc.colno})")
     if not isinstance(obj, dict):
         return Parsed(n, error=f"a line must be a JSON object, got {type(obj).__name__}")
     ident = obj.get("custom_id", obj.get("id"))

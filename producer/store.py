@@ -3,12 +3,17 @@
 Per batch ``b`` (keys under the settings' ``key_prefix``):
 
 - ``{p}:batch:{b}``          hash: total, completed, failed, rejected, sealed, created_at, ...
-- ``{p}:batch:{b}:done``     hash: job id -> stream entry id; a job's result is written once
+- ``{p}:batch:{b}:done``     hash: job id -> "" once enqueued, its stream entry id once done
 - ``{p}:batch:{b}:results``  stream: one entry per finished job, ``result`` = JobResult JSON
+- ``{p}:batch:{b}:attempts`` hash: job id -> deliveries started (a poison job is dead-lettered)
+- ``{p}:dlq``                hash: task id (``batch:job``) -> dead letter JSON, envelope included
+- ``{p}:dlq:index``          sorted set: task ids by the time they died
 
 A stream lets any number of readers follow a batch as it completes, resume after a disconnect
 from the last entry id they saw, and read the whole batch again later, without polling.
-Recording is one Lua script, so a duplicate delivery of the same job never counts twice.
+The job id is the idempotency key: claiming at submit (``claim``) counts an id once however often
+it is submitted, and recording (``record``) writes a result once however often it is delivered.
+Both are Lua scripts, so no interleaving of producers and workers can count twice.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ from typing import Any
 
 import redis
 
-from schemas import BatchStatus, JobResult
+from schemas import BatchStatus, JobResult, Settings
 
 # KEYS: batch hash, done hash, results stream. ARGV: job id, result json, status field, ttl.
 _RECORD = """
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
+local done = redis.call('HGET', KEYS[2], ARGV[1])
+if done and done ~= '' then return 0 end
 local entry = redis.call('XADD', KEYS[3], '*', 'id', ARGV[1], 'result', ARGV[2])
 redis.call('HSET', KEYS[2], ARGV[1], entry)
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
@@ -32,6 +38,67 @@ redis.call('HSET', KEYS[1], 'updated_at', ARGV[5])
 for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
 return 1
 """
+
+
+# KEYS: batch hash, done hash. ARGV: ttl, job ids. One flag per id: 1 new (counted in total),
+# 0 enqueued before but not done (send again: the earlier send may be lost), -1 done (skip).
+_CLAIM = """
+local flags, new = {}, 0
+for i = 2, #ARGV do
+  if redis.call('HSETNX', KEYS[2], ARGV[i], '') == 1 then
+    new = new + 1
+    flags[i - 1] = 1
+  elseif redis.call('HGET', KEYS[2], ARGV[i]) == '' then
+    flags[i - 1] = 0
+  else
+    flags[i - 1] = -1
+  end
+end
+if new > 0 then redis.call('HINCRBY', KEYS[1], 'total', new) end
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return flags
+"""
+
+# KEYS: batch hash, done hash, results stream, attempts hash. ARGV: job id.
+# Undo a job's result so it can run again (dead-letter requeue): 1 if there was one.
+_FORGET = """
+local entry = redis.call('HGET', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+if not entry or entry == '' then
+  redis.call('HSET', KEYS[2], ARGV[1], '')
+  return 0
+end
+local got = redis.call('XRANGE', KEYS[3], entry, entry)
+if #got > 0 then
+  local fields = got[1][2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 'result' then
+      redis.call('HINCRBY', KEYS[1], cjson.decode(fields[i + 1])['status'], -1)
+    end
+  end
+end
+redis.call('XDEL', KEYS[3], entry)
+redis.call('HSET', KEYS[2], ARGV[1], '')
+return 1
+"""
+
+
+def _retrying_client(url: str, retry_s: float) -> redis.Redis:
+    """A client that rides out a Redis restart (AOF reload included) for about ``retry_s``."""
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
+    from redis.retry import Retry
+
+    cap = 2.0
+    retries = max(1, int(retry_s / cap) + 4)
+    return redis.Redis.from_url(
+        url,
+        decode_responses=True,
+        health_check_interval=30,
+        socket_keepalive=True,
+        retry=Retry(ExponentialBackoff(cap=cap, base=0.05), retries),
+        retry_on_error=[BusyLoadingError, ConnectionError, TimeoutError],
+    )
 
 
 class BatchStore:
@@ -42,33 +109,45 @@ class BatchStore:
         self.prefix = prefix
         self.ttl_s = ttl_s
         self._record = client.register_script(_RECORD)
+        self._claim = client.register_script(_CLAIM)
+        self._forget = client.register_script(_FORGET)
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "vqueue", ttl_s: int = 7 * 24 * 3600) -> BatchStore:
-        client = redis.Redis.from_url(
-            url, decode_responses=True, health_check_interval=30, socket_keepalive=True
-        )
-        return cls(client, prefix, ttl_s)
+    def from_url(
+        cls, url: str, prefix: str = "vqueue", ttl_s: int = 7 * 24 * 3600, retry_s: float = 120
+    ) -> BatchStore:
+        return cls(_retrying_client(url, retry_s), prefix, ttl_s)
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> BatchStore:
+        return cls.from_url(s.backend_url(), s.key_prefix, s.result_ttl_s, s.redis_retry_s)
 
     def key(self, batch: str, part: str = "") -> str:
         return f"{self.prefix}:batch:{batch}" + (f":{part}" if part else "")
 
     # -- producer side
-    def create(self, batch: str, fmt: str, source: str | None = None) -> None:
+    def create(self, batch: str, fmt: str, source: str | None = None) -> bool:
+        """Open a batch; an existing one keeps its counters (more jobs may be added to it)."""
         now = time.time()
         fields: dict[str, Any] = {"total": 0, "completed": 0, "failed": 0, "rejected": 0}
         fields.update(sealed=0, created_at=now, format=fmt, source=source or "")
+        key = self.key(batch)
         pipe = self.r.pipeline()
-        pipe.hset(self.key(batch), mapping=fields)
-        pipe.expire(self.key(batch), self.ttl_s)
-        pipe.execute()
+        for name, value in fields.items():
+            pipe.hsetnx(key, name, value)
+        pipe.hset(key, "sealed", 0)
+        pipe.expire(key, self.ttl_s)
+        return bool(pipe.execute()[0])
 
-    def add_total(self, pipe: Any, batch: str, total: int) -> None:
-        """Queue the ``total`` update on ``pipe`` so it travels with the jobs it counts."""
-        pipe.hincrby(self.key(batch), "total", total)
+    def claim(self, batch: str, job_ids: list[str]) -> list[int]:
+        """Count ``job_ids`` into the batch's total, each id once ever; one flag per id:
+        1 new, 0 enqueued before and not done yet (send again), -1 already done (skip)."""
+        keys = [self.key(batch), self.key(batch, "done")]
+        return [int(f) for f in self._claim(keys=keys, args=[self.ttl_s, *job_ids])]
 
     def delete(self, batch: str) -> None:
-        self.r.delete(self.key(batch), self.key(batch, "done"), self.key(batch, "results"))
+        parts = ("", "done", "results", "attempts")
+        self.r.delete(*(self.key(batch, p) for p in parts))
 
     def seal(self, batch: str, rejected: int = 0) -> None:
         """Mark submission finished: from now on ``total`` is final, and waiting can end.
@@ -132,11 +211,21 @@ class BatchStore:
                 yield res
 
     def has_result(self, batch: str, job_id: str) -> bool:
-        return bool(self.r.hexists(self.key(batch, "done"), job_id))
+        return bool(self.r.hget(self.key(batch, "done"), job_id))
+
+    def start(self, batch: str, job_id: str) -> tuple[bool, int]:
+        """At each delivery: (already has a result, deliveries started so far), one round trip."""
+        attempts = self.key(batch, "attempts")
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(self.key(batch, "done"), job_id)
+        pipe.hincrby(attempts, job_id, 1)
+        pipe.expire(attempts, self.ttl_s)
+        done, n, _ = pipe.execute()
+        return bool(done), int(n)
 
     def result(self, batch: str, job_id: str) -> JobResult | None:
         entry = self.r.hget(self.key(batch, "done"), job_id)
-        if entry is None:
+        if not entry:
             return None
         got = self.r.xrange(self.key(batch, "results"), min=entry, max=entry)
         return JobResult.model_validate_json(got[0][1]["result"]) if got else None
@@ -155,3 +244,51 @@ class BatchStore:
 
     def forget_worker(self, name: str) -> None:
         self.r.delete(self.worker_key(name))
+
+    # -- dead letters: jobs that exhausted their deliveries, kept with their last error
+    def dlq_key(self, part: str = "") -> str:
+        return f"{self.prefix}:dlq" + (f":{part}" if part else "")
+
+    def dead_letter(self, envelope: dict[str, Any], result: JobResult, attempts: int) -> None:
+        """Park the job and record its failed result, so the batch still finishes."""
+        task_id = f"{result.batch}:{result.id}"
+        entry = {
+            "task_id": task_id,
+            "batch": result.batch,
+            "id": result.id,
+            "type": result.type,
+            "attempts": attempts,
+            "error": result.error.model_dump() if result.error else None,
+            "worker": result.worker,
+            "dead_at": time.time(),
+            "envelope": envelope,
+        }
+        pipe = self.r.pipeline()
+        pipe.hset(self.dlq_key(), task_id, json.dumps(entry))
+        pipe.zadd(self.dlq_key("index"), {task_id: entry["dead_at"]})
+        pipe.execute()
+        self.record(result)
+
+    def dead_letters(self, batch: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+        ids = self.r.zrange(self.dlq_key("index"), 0, -1)
+        if batch:
+            ids = [i for i in ids if i.startswith(f"{batch}:")]
+        ids = ids[:limit]
+        raw = self.r.hmget(self.dlq_key(), ids) if ids else []
+        return [json.loads(v) for v in raw if v]
+
+    def dead_letter_entry(self, task_id: str) -> dict[str, Any] | None:
+        raw = self.r.hget(self.dlq_key(), task_id)
+        return json.loads(raw) if raw else None
+
+    def forget(self, batch: str, job_id: str) -> bool:
+        """Remove a job's result and delivery count so it can run again (a forced re-run)."""
+        keys = [self.key(batch), self.key(batch, "done"), self.key(batch, "results")]
+        keys.append(self.key(batch, "attempts"))
+        return bool(self._forget(keys=keys, args=[job_id]))
+
+    def drop_dead_letter(self, task_id: str) -> None:
+        pipe = self.r.pipeline()
+        pipe.hdel(self.dlq_key(), task_id)
+        pipe.zrem(self.dlq_key("index"), task_id)
+        pipe.execute()

@@ -53,6 +53,8 @@ class _JobBase(BaseModel):
     # both to fix output length)
     min_tokens: int = Field(default=0, ge=0, le=MAX_OUTPUT_TOKENS)
     ignore_eos: bool = False
+    # fail with "timeout" if still generating after this long (capped by VQUEUE_JOB_TIMEOUT_S)
+    timeout_s: float | None = Field(default=None, gt=0)
     # echoed back untouched on the result: the caller's own bookkeeping
     metadata: dict[str, Any] = Field(default_factory=dict)
 
@@ -75,7 +77,7 @@ def _schema_problem(text: str) -> str | None:
     schema = json.loads(text)
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
-        return f"json_schema nests {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}"
+        return f"json_schema nests more than {MAX_SCHEMA_DEPTH} levels deep"
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:

@@ -14,6 +14,8 @@ ERROR_TYPES = {
     "invalid_json": "the output is not JSON",
     "engine_error": "the engine rejected or failed the request",
     "invalid_job": "the worker could not read the job",
+    "timeout": "the job was still generating after VQUEUE_JOB_TIMEOUT_S and was aborted",
+    "dead_letter": "its worker was lost every time it ran; parked in the dead-letter store",
 }
 
 

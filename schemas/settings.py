@@ -5,7 +5,7 @@ Producers read the broker and queue; workers read the rest. CLI options default 
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -19,8 +19,14 @@ class Settings(BaseSettings):
     queue: str = "vqueue"  # the Celery queue jobs go to and workers consume
     key_prefix: str = "vqueue"  # prefix of the Redis keys holding batches and results
     result_ttl_s: int = 7 * 24 * 3600  # batches and their results expire after a week
-    # Redis redelivers an unacknowledged job after this; longer than the longest job
+    # Redis redelivers an unacknowledged job after this; must exceed job_timeout_s
     visibility_timeout_s: int = 3600
+    # a job still generating after this is aborted in the engine and fails with "timeout"
+    job_timeout_s: float = Field(default=900.0, gt=0)
+    # a job whose worker died this many times while running it is dead-lettered, not run again
+    max_deliveries: int = Field(default=3, ge=1)
+    # clients retry a lost Redis connection (restart, AOF reload) for about this long
+    redis_retry_s: float = Field(default=120.0, ge=0)
 
     # -- the model and the engine (worker side)
     model: str = "smollm2-135m-instruct"  # the embedded default; else any HF id or local path
@@ -61,6 +67,16 @@ class Settings(BaseSettings):
     max_tokens_extract: int = 512
     max_tokens_codegen: int = 512
     max_tokens_chat: int = 512
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.visibility_timeout_s <= self.job_timeout_s:
+            raise ValueError(
+                f"VQUEUE_VISIBILITY_TIMEOUT_S ({self.visibility_timeout_s}) must exceed "
+                f"VQUEUE_JOB_TIMEOUT_S ({self.job_timeout_s}): Redis would hand a running job "
+                "to a second worker"
+            )
+        return self
 
     def backend_url(self) -> str:
         return self.result_backend or self.broker_url
