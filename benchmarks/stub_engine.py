@@ -28,7 +28,7 @@ class StubEngine:
         # about four characters a token, like a real tokenizer on English
         return [0] * max(1, sum(len(m["content"]) for m in messages) // 4)
 
-    def generate(self, prompt_ids: list[int], params: Any) -> Generation:
+    def generate(self, prompt_ids: list[int], params: Any, timeout_s: Any = None) -> Generation:
         with self._lock:
             self.jobs_done += 1
         return Generation(

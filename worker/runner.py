@@ -23,7 +23,7 @@ from schemas import (
     Usage,
 )
 
-from .engine import EngineError, EngineHost
+from .engine import EngineError, EngineHost, JobTimeout
 from .prompts import build_messages, extract_code
 
 # Below this many tokens of room an answer is useless; refuse rather than return a stub.
@@ -61,7 +61,7 @@ def run_job(env: Envelope, engine: EngineHost, settings: Settings, worker: str) 
                 f"{settings.max_model_len} and the answer needs at least {MIN_ANSWER_TOKENS}",
             )
         max_tokens = min(job.max_tokens or settings.default_max_tokens(job.type), room)
-        gen = engine.generate(prompt, sampling_params(job, max_tokens))
+        gen = engine.generate(prompt, sampling_params(job, max_tokens), job.timeout_s)
         result.text = gen.text
         result.finish_reason = gen.finish_reason
         result.usage = Usage(
@@ -75,6 +75,9 @@ def run_job(env: Envelope, engine: EngineHost, settings: Settings, worker: str) 
     except EngineError as exc:
         result.status = "failed"
         result.error = JobError(type="engine_error", message=str(exc))
+    except JobTimeout as exc:
+        result.status = "failed"
+        result.error = JobError(type="timeout", message=str(exc))
     result.timings.finished_at = time.time()
     return result
 

@@ -7,18 +7,26 @@ so a redelivery after a lost acknowledgement costs a lookup, not a generation.
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from typing import Any
 
 from celery import Task
+from celery.exceptions import Reject
 from pydantic import ValidationError
 
 from producer.publish import task_name
 from schemas import JOB_TYPES, Envelope, JobError, JobResult, Timings
 
 from . import metrics
-from .app import app, settings, state
+from .app import EXIT_ENGINE, app, settings, state
+from .engine import EngineDead
 
+log = logging.getLogger(__name__)
 _store: Any = None
+_lock = threading.Lock()
+_dying = False
 
 
 def store() -> Any:
@@ -26,9 +34,7 @@ def store() -> Any:
     if _store is None:
         from producer.store import BatchStore
 
-        _store = BatchStore.from_url(
-            settings.backend_url(), settings.key_prefix, settings.result_ttl_s
-        )
+        _store = BatchStore.from_settings(settings)
     return _store
 
 
@@ -55,10 +61,18 @@ def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
             error=JobError(type="invalid_job", message=str(exc).splitlines()[0]),
         )
     else:
-        if store().has_result(env.batch, env.job.id):
+        done, attempts = store().start(env.batch, env.job.id)
+        if done:
             metrics.duplicate(env.job.type)
             return {"id": env.job.id, "status": "duplicate"}
-        result = run_job(env, state.engine, settings, task.request.hostname or state.name)
+        worker = task.request.hostname or state.name
+        if attempts > settings.max_deliveries:
+            return _dead_letter(env, payload, attempts, worker)
+        try:
+            result = run_job(env, state.engine, settings, worker)
+        except EngineDead:
+            _engine_died()
+            raise Reject("the engine died; the job goes back to the queue", requeue=True) from None
     if store().record(result):
         metrics.observe(result)
     else:
@@ -67,6 +81,44 @@ def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
     if result.error:
         summary["error"] = result.error.type
     return summary
+
+
+def _engine_died() -> None:
+    """Exit non-zero so the supervisor restarts the worker; other tasks get 2 s to hand their
+    jobs back (the rest return to the queue after the visibility timeout)."""
+    global _dying
+    with _lock:
+        if not _dying:
+            _dying = True
+            log.critical("the vLLM engine died; exiting %d for a restart", EXIT_ENGINE)
+            threading.Timer(2.0, os._exit, args=(EXIT_ENGINE,)).start()
+
+
+def _dead_letter(
+    env: Envelope, payload: dict[str, Any], attempts: int, worker: str
+) -> dict[str, Any]:
+    """A job that was running each time its worker died: park it instead of killing another.
+    Its failed result lets the batch finish; ``vqueue dlq requeue`` runs it again."""
+    delivered = attempts - 1
+    result = JobResult(
+        id=env.job.id,
+        batch=env.batch,
+        type=env.job.type,
+        status="failed",
+        timings=Timings(enqueued_at=env.enqueued_at),
+        worker=worker,
+        metadata=env.job.metadata,
+        format=env.format,
+        prefix_key=env.prefix_key,
+        error=JobError(
+            type="dead_letter",
+            message=f"started {delivered} times and never finished (its worker was lost each "
+            f"time; VQUEUE_MAX_DELIVERIES={settings.max_deliveries}); see 'vqueue dlq show'",
+        ),
+    )
+    store().dead_letter(payload, result, delivered)
+    metrics.observe(result)
+    return {"id": result.id, "status": "failed", "error": "dead_letter"}
 
 
 def _register(job_type: str) -> None:
