@@ -63,7 +63,8 @@ def free_port() -> int:
 
 
 def make_settings(queue: str, **extra: object) -> Settings:
-    return Settings(_env_file=None, broker_url=REDIS_URL, queue=queue, key_prefix="vqtest", **extra)
+    fields: dict[str, object] = {"broker_url": REDIS_URL, "key_prefix": "vqtest", **extra}
+    return Settings(_env_file=None, queue=queue, **fields)  # type: ignore[arg-type]
 
 
 def worker_env(queue: str, **extra: str) -> dict[str, str]:

@@ -190,61 +190,6 @@ def test_openai_batch_file_round_trips(tmp_path: Path) -> None:
     assert {json.loads(x)["custom_id"] for x in again.stdout.decode().splitlines()} == {"q1", "q2"}
 
 
-def test_bad_input_costs_nothing_else(tmp_path: Path) -> None:
-    # Given a file mixing good jobs with every kind of bad line
-    long_text = " ".join(["The committee reviewed the annual budget in detail."] * 400)
-    rows = [
-        json.dumps(
-            {"id": "good1", "type": "summarize", "text": "Bees make honey.", "max_tokens": 16}
-        ),
-        '{"id": "broken", "type": "summarize", "text": "unterminated',
-        json.dumps({"id": "alien", "type": "translate", "text": "hola"}),
-        json.dumps({"id": "nofield", "type": "extract", "text": "no schema here"}),
-        json.dumps(
-            {
-                "id": "badschema",
-                "type": "extract",
-                "text": "x",
-                "json_schema": {"type": "object", "required": "name"},
-            }
-        ),
-        json.dumps({"id": "toolong", "type": "summarize", "text": long_text}),
-        json.dumps(
-            {
-                "id": "good2",
-                "type": "extract",
-                "text": "Ann Lee, 30, from Oslo.",
-                "json_schema": PERSON,
-                "max_tokens": 64,
-            }
-        ),
-    ]
-    src = tmp_path / "mixed.jsonl"
-    src.write_text("\n".join(rows) + "\n")
-    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
-    # When it is submitted
-    proc = run_cli("submit", str(src), "--wait", "--out", str(out), "--errors", str(err), "-q")
-    stderr = proc.stderr.decode()
-    # Then the CLI succeeds, naming each bad line by number and cause
-    assert proc.returncode == 0, stderr
-    assert "line 2: not valid JSON" in stderr
-    assert "line 3: unknown job type 'translate'" in stderr
-    assert "line 4: json_schema: Field required" in stderr
-    assert "line 5: json_schema: json_schema is not a valid JSON Schema at required" in stderr
-    assert "3 jobs enqueued, 4 lines rejected" in stderr
-    # and the good jobs complete while the too-long prompt fails on its own
-    done = {x["id"]: x for x in map(json.loads, out.read_text().splitlines())}
-    assert set(done) == {"good1", "good2"} and all(
-        x["status"] == "completed" for x in done.values()
-    )
-    errors = [json.loads(x) for x in err.read_text().splitlines()]
-    rejected = {e["error"]["line"] for e in errors if e.get("error", {}).get("line")}
-    assert rejected == {2, 3, 4, 5}
-    failed = [e for e in errors if e.get("status") == "failed"]
-    assert [(f["id"], f["error"]["type"]) for f in failed] == [("toolong", "prompt_too_long")]
-    assert "2048" in failed[0]["error"]["message"]
-
-
 @pytest.mark.parametrize("content", [None, b"", b"not json\n[1]\n"])
 def test_unusable_input_file_exits_non_zero(tmp_path: Path, content: bytes | None) -> None:
     src = tmp_path / "input.jsonl"
