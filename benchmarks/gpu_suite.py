@@ -35,6 +35,8 @@ from schemas import Job, Settings
 from . import workloads as wl
 
 ROOT = Path(__file__).resolve().parent.parent
+# prompts exactly as a worker with default settings renders them
+_S = Settings(_env_file=None)
 _jobs: TypeAdapter[Any] = TypeAdapter(Job)
 
 
@@ -169,7 +171,7 @@ def run_raw(a: argparse.Namespace) -> list[dict[str, Any]]:
 
     def go(name: str, jobs: list[dict[str, Any]], constrained: bool = True) -> None:
         models = [_jobs.validate_python(j) for j in jobs]
-        msgs = [build_messages(m) for m in models]
+        msgs = [build_messages(m, _S) for m in models]
         params = [sampling_params(m, m.max_tokens or 256) for m in models]
         if not constrained:  # identical prompts (schema text included), no guided decoding
             for p in params:
@@ -311,7 +313,7 @@ def run_hf(a: argparse.Namespace) -> list[dict[str, Any]]:
     for j in sample:
         job = _jobs.validate_python(j)
         text = tok.apply_chat_template(
-            build_messages(job), add_generation_prompt=True, tokenize=False
+            build_messages(job, _S), add_generation_prompt=True, tokenize=False
         )
         enc = tok(text, return_tensors="pt", add_special_tokens=False).to(model.device)
         n = job.max_tokens or 128
@@ -387,7 +389,7 @@ def run_server(a: argparse.Namespace) -> list[dict[str, Any]]:
         def body(job: Any) -> dict[str, Any]:
             b: dict[str, Any] = {
                 "model": a.model,
-                "messages": build_messages(job),
+                "messages": build_messages(job, _S),
                 "max_tokens": job.max_tokens,
                 "temperature": job.temperature,
                 "stream": True,

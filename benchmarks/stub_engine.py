@@ -28,6 +28,12 @@ class StubEngine:
         # about four characters a token, like a real tokenizer on English
         return [0] * max(1, sum(len(m["content"]) for m in messages) // 4)
 
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]  # a character a token
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
     def generate(self, prompt_ids: list[int], params: Any, timeout_s: Any = None) -> Generation:
         with self._lock:
             self.jobs_done += 1

@@ -55,6 +55,11 @@ class _JobBase(BaseModel):
     ignore_eos: bool = False
     # fail with "timeout" if still generating after this long (capped by VQUEUE_JOB_TIMEOUT_S)
     timeout_s: float | None = Field(default=None, gt=0)
+    # None: the worker's per-type system prompt; "": an empty system turn; else this text
+    system: str | None = Field(default=None, max_length=20_000)
+    # the document's token limit and what to do past it; None: the worker's per-type settings
+    max_input_tokens: int | None = Field(default=None, ge=1)
+    truncation: Literal["head", "tail", "head_tail", "reject"] | None = None
     # echoed back untouched on the result: the caller's own bookkeeping
     metadata: dict[str, Any] = Field(default_factory=dict)
 
@@ -154,13 +159,13 @@ def prefix_key(job: SummarizeJob | ExtractJob | CodegenJob | ChatJob) -> str:
     tokens, so once one of them is prefilled the rest hit vLLM's prefix cache.
     """
     if isinstance(job, SummarizeJob):
-        parts: list[Any] = [job.type, job.max_words, job.style]
+        parts: list[Any] = [job.type, job.system, job.max_words, job.style]
     elif isinstance(job, ExtractJob):
-        parts = [job.type, job.instruction, _schema_text(job.json_schema)]
+        parts = [job.type, job.system, job.instruction, _schema_text(job.json_schema)]
     elif isinstance(job, CodegenJob):
-        parts = [job.type, job.language, job.context]
+        parts = [job.type, job.system, job.language, job.context]
     else:  # everything before the last message
-        parts = [job.type, [(m.role, m.content) for m in job.messages[:-1]]]
+        parts = [job.type, job.system, [(m.role, m.content) for m in job.messages[:-1]]]
     raw = json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
     return hashlib.blake2b(raw.encode(), digest_size=8).hexdigest()
 

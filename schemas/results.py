@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 # Error types a result may carry. Each names one cause, so callers can branch on it.
 ERROR_TYPES = {
     "prompt_too_long": "the prompt does not fit the model's context with room to answer",
+    "input_too_long": "the document is over its type's input limit and truncation is 'reject'",
     "schema_validation": "the output did not satisfy the job's JSON Schema",
     "schema_incomplete": "the JSON output was cut off at max_tokens",
     "invalid_json": "the output is not JSON",
@@ -55,6 +56,8 @@ class JobResult(BaseModel):
     format: Literal["vqueue", "openai"] = "vqueue"
     model: str | None = None  # the model that served the job
     prefix_key: str | None = None  # the job's shared-prefix group (schemas.jobs.prefix_key)
+    input_chars_cleaned: int = 0  # invisible/control characters and styling removed
+    input_tokens_truncated: int = 0  # document tokens cut by the truncation policy
 
 
 class BatchStatus(BaseModel):

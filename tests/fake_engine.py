@@ -37,6 +37,12 @@ class FakeEngine:
             os.kill(os.getpid(), signal.SIGKILL)
         return [0] * max(1, sum(len(m["content"]) for m in messages) // 4)
 
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]  # a character a token
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
     def generate(self, prompt_ids: list[int], params: Any, timeout_s: Any = None) -> Generation:
         with self._lock:
             self.in_flight += 1

@@ -1,7 +1,8 @@
 """Prompt building per job type, and reading the answer back (code blocks).
 
-System prompts are deliberately short: every system-prompt token is prefilled for every job, and
-the seed notes measured a verbose 300-character one adding ~0.2 s to the first token.
+System prompts are deliberately short (the defaults live in ``Settings``): every system-prompt
+token is prefilled for every job, and the seed notes measured a verbose 300-character one adding
+~0.2 s to the first token.
 """
 
 from __future__ import annotations
@@ -10,20 +11,21 @@ import json
 import re
 from typing import Any
 
-from schemas import ChatJob, CodegenJob, ExtractJob, SummarizeJob
+from schemas import ChatJob, CodegenJob, ExtractJob, Settings, SummarizeJob
 
 Messages = list[dict[str, str]]
 
-SYSTEM = {
-    "summarize": "You summarize text accurately and concisely.",
-    "extract": "You extract facts from text as JSON.",
-    "codegen": "You write correct, complete code.",
-}
 
-
-def build_messages(job: SummarizeJob | ExtractJob | CodegenJob | ChatJob) -> Messages:
+def build_messages(
+    job: SummarizeJob | ExtractJob | CodegenJob | ChatJob, settings: Settings
+) -> Messages:
+    """The chat for ``job``: a system turn (the job's own ``system``, else the per-type
+    setting; "" leaves it empty), then one user turn that puts what jobs share first."""
     if isinstance(job, ChatJob):
-        return [m.model_dump() for m in job.messages]
+        messages = [m.model_dump() for m in job.messages]
+        if job.system and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": job.system})
+        return messages
     if isinstance(job, SummarizeJob):
         ask = "Summarize the following text"
         if job.max_words:
@@ -41,7 +43,31 @@ def build_messages(job: SummarizeJob | ExtractJob | CodegenJob | ChatJob) -> Mes
         # shared code context first, so jobs about the same code share its prefix
         user = f"Existing code:\n```{job.language}\n{job.context}\n```\n\n" if job.context else ""
         user += f"{job.instruction}\n\nAnswer with one ```{job.language} code block."
-    return [{"role": "system", "content": SYSTEM[job.type]}, {"role": "user", "content": user}]
+    system = job.system if job.system is not None else settings.system_prompt(job.type)
+    # "" keeps an empty system turn rather than none: Qwen2.5's and SmolLM2's templates insert
+    # their own default system prompt (15-30 tokens) when a chat has no system turn at all.
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+# Invisible characters that only cost tokens: zero-width space/joiners, word joiner, BOM, soft
+# hyphen. Control characters except tab, newline and carriage return.
+_INVISIBLE = re.compile("[\u200b\u200c\u200d\u2060\ufeff\u00ad]")
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+# Pasted styling in prose: non-breaking and other wide spaces, runs of blanks, blank-line runs.
+_SPACES = re.compile("[\u00a0\u2000-\u200a\u202f\u205f\u3000]")
+_RUNS = re.compile("[ \t]{2,}")
+_TRAILING = re.compile("[ \t]+\n")
+_BLANK_LINES = re.compile("\n{3,}")
+
+
+def clean(text: str, prose: bool = True) -> str:
+    """``text`` without invisible and control characters (and, for prose, without pasted
+    styling). Code keeps its whitespace: indentation is meaning there."""
+    text = _CONTROL.sub("", _INVISIBLE.sub("", text.replace("\r\n", "\n")))
+    if prose:
+        text = _SPACES.sub(" ", text)
+        text = _BLANK_LINES.sub("\n\n", _TRAILING.sub("\n", _RUNS.sub(" ", text)))
+    return text
 
 
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:\n```|\Z)", re.DOTALL)

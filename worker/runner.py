@@ -24,7 +24,7 @@ from schemas import (
 )
 
 from .engine import EngineError, EngineHost, JobTimeout
-from .prompts import build_messages, extract_code
+from .prompts import build_messages, clean, extract_code
 
 # Below this many tokens of room an answer is useless; refuse rather than return a stub.
 MIN_ANSWER_TOKENS = 16
@@ -52,7 +52,11 @@ def run_job(env: Envelope, engine: EngineHost, settings: Settings, worker: str) 
         prefix_key=env.prefix_key,
     )
     try:
-        prompt = engine.chat_prompt(build_messages(job))
+        if settings.clean_input:
+            job, result.input_chars_cleaned = clean_job(job)
+        want = job.max_tokens or settings.default_max_tokens(job.type)
+        job, result.input_tokens_truncated = fit_input(job, engine, settings, want)
+        prompt = engine.chat_prompt(build_messages(job, settings))
         room = settings.max_model_len - len(prompt)
         if room < MIN_ANSWER_TOKENS:
             raise JobFailed(
@@ -60,7 +64,7 @@ def run_job(env: Envelope, engine: EngineHost, settings: Settings, worker: str) 
                 f"the prompt is {len(prompt)} tokens; the model's context is "
                 f"{settings.max_model_len} and the answer needs at least {MIN_ANSWER_TOKENS}",
             )
-        max_tokens = min(job.max_tokens or settings.default_max_tokens(job.type), room)
+        max_tokens = min(want, room)
         gen = engine.generate(prompt, sampling_params(job, max_tokens), job.timeout_s)
         result.text = gen.text
         result.finish_reason = gen.finish_reason
@@ -80,6 +84,81 @@ def run_job(env: Envelope, engine: EngineHost, settings: Settings, worker: str) 
         result.error = JobError(type="timeout", message=str(exc))
     result.timings.finished_at = time.time()
     return result
+
+
+def clean_job(job: Any) -> tuple[Any, int]:
+    """The job with its texts cleaned (``prompts.clean``), and how many characters went."""
+    updates: dict[str, Any] = {}
+    for name, prose in (("text", True), ("instruction", True), ("context", False)):
+        value = getattr(job, name, None)
+        if value:
+            updates[name] = clean(value, prose)
+    if isinstance(job, ChatJob):
+        updates["messages"] = [
+            m.model_copy(update={"content": clean(m.content, prose=False)}) for m in job.messages
+        ]
+    removed = sum(len(getattr(job, k)) - len(v) for k, v in updates.items() if k != "messages")
+    if "messages" in updates:
+        removed += sum(
+            len(a.content) - len(b.content)
+            for a, b in zip(job.messages, updates["messages"], strict=True)
+        )
+    return (job.model_copy(update=updates) if removed else job), removed
+
+
+# The field holding each type's document: what the input limit counts and truncation cuts.
+DOCUMENT = {"summarize": "text", "extract": "text", "codegen": "context"}
+_MARK = "\n[...]\n"  # where head_tail truncation removed the middle
+
+
+def fit_input(job: Any, engine: Any, settings: Settings, want: int) -> tuple[Any, int]:
+    """Apply the job type's input limit with the model's tokenizer: the job, possibly with its
+    document cut by the truncation policy, and how many tokens were cut.
+
+    The document may have at most ``max_input_tokens`` tokens, and no more than fit the context
+    with ``want`` tokens left to answer. Past the type's limit, ``reject`` fails the job with
+    ``input_too_long``; past the context, with ``prompt_too_long``.
+    """
+    limit = job.max_input_tokens or settings.max_input_tokens(job.type)
+    if isinstance(job, ChatJob):  # a conversation is not cut: it fits or it is refused
+        n = len(engine.chat_prompt(build_messages(job, settings)))
+        if n > limit:
+            raise JobFailed("input_too_long", f"the chat is {n} tokens; the limit is {limit}")
+        return job, 0
+    field = DOCUMENT[job.type]
+    doc = getattr(job, field) or ""
+    # the answer's room, and a few tokens of slack: a cut text may re-tokenize a little longer
+    fits_context = settings.max_model_len - max(want, MIN_ANSWER_TOKENS) - 8
+    if len(doc.encode()) <= min(limit, fits_context):  # a token is at least a byte
+        return job, 0
+    empty = job.model_copy(update={field: ""})
+    overhead = len(engine.chat_prompt(build_messages(empty, settings)))
+    room = fits_context - overhead
+    ids = engine.encode(doc)
+    if len(ids) <= min(limit, room):
+        return job, 0
+    policy = job.truncation or settings.truncation(job.type)
+    if policy == "reject" or min(limit, room) < 1:
+        if len(ids) > limit:
+            raise JobFailed(
+                "input_too_long",
+                f"the {field} is {len(ids)} tokens; the {job.type} limit is {limit} "
+                f"(VQUEUE_MAX_INPUT_TOKENS_{job.type.upper()} or the job's max_input_tokens)",
+            )
+        raise JobFailed(
+            "prompt_too_long",
+            f"the {field} is {len(ids)} tokens; {max(room, 0)} fit the model's context of "
+            f"{settings.max_model_len} with {want} left to answer",
+        )
+    keep = max(min(limit, room) - len(engine.encode(_MARK)), 1)
+    if policy == "head":
+        text = engine.decode(ids[:keep])
+    elif policy == "tail":
+        text = engine.decode(ids[-keep:])
+    else:
+        head = keep // 2
+        text = engine.decode(ids[:head]) + _MARK + engine.decode(ids[len(ids) - (keep - head) :])
+    return job.model_copy(update={field: text}), len(ids) - keep
 
 
 def sampling_params(job: Any, max_tokens: int) -> Any:
