@@ -83,11 +83,15 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
     import importlib
 
     from . import metrics
+    from .engine import ConfigError
 
     state.metrics_url = metrics.serve(settings.metrics_port, settings.metrics_host)
     try:
         module, _sep, cls = settings.engine_class.partition(":")
         state.engine = getattr(importlib.import_module(module), cls)(settings)
+    except (ConfigError, FileNotFoundError) as exc:  # the operator's to fix: a line, no trace
+        log.error("invalid worker settings: %s; exiting %d", exc, EXIT_ENGINE)
+        os._exit(EXIT_ENGINE)
     except BaseException:
         log.exception("the vLLM engine failed to start; exiting %d", EXIT_ENGINE)
         os._exit(EXIT_ENGINE)  # Celery would log a handler's exception and carry on without it

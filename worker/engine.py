@@ -37,6 +37,10 @@ class EngineError(RuntimeError):
     """The engine refused or failed one request; the job fails, the worker carries on."""
 
 
+class ConfigError(ValueError):
+    """Engine settings that cannot work together; the worker exits before loading anything."""
+
+
 class JobTimeout(RuntimeError):
     """The request was still running after ``job_timeout_s``; it was aborted in the engine."""
 
@@ -59,6 +63,7 @@ class EngineHost:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        check_engine_settings(settings, _has_cuda(), _gpu_count())
         self.model_path = resolve_model(settings.model)
         self.model_name = settings.served_model_name or settings.model
         self._loop = asyncio.new_event_loop()
@@ -109,6 +114,14 @@ class EngineHost:
             return render(self.tokenizer, messages, self._nonce)
         except ValueError as exc:
             raise EngineError(str(exc)) from None
+
+    def encode(self, text: str) -> list[int]:
+        return list(
+            self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        )
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids))
 
     def generate(
         self, prompt_ids: list[int], params: Any, timeout_s: float | None = None
@@ -193,12 +206,64 @@ def engine_kwargs(s: Settings, model_path: str) -> dict[str, Any]:
     )
     if s.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
+    if s.quantization:
+        kwargs["quantization"] = s.quantization
+    if s.cpu_offload_gb:
+        kwargs["cpu_offload_gb"] = s.cpu_offload_gb
     kv_bytes = s.kv_cache_memory_bytes
     if kv_bytes is None and not cuda:
         kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
     if kv_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_bytes
     return kwargs
+
+
+# Weight formats that need CUDA kernels.
+_GPU_ONLY_QUANTIZATION = {
+    "awq",
+    "awq_marlin",
+    "gptq",
+    "gptq_marlin",
+    "marlin",
+    "fp8",
+    "bitsandbytes",
+}
+
+
+def check_engine_settings(s: Settings, cuda: bool, gpus: int) -> None:
+    """Refuse combinations vLLM would fail on later, or worse, accept and run badly."""
+    problems = []
+    if s.model.endswith(".gguf") and s.quantization:
+        problems.append("a .gguf VQUEUE_MODEL is dequantized on load; unset VQUEUE_QUANTIZATION")
+    if not cuda:
+        if s.quantization in _GPU_ONLY_QUANTIZATION:
+            problems.append(f"VQUEUE_QUANTIZATION={s.quantization} needs a CUDA GPU")
+        if s.cpu_offload_gb:
+            problems.append("VQUEUE_CPU_OFFLOAD_GB offloads GPU weights; this host has no GPU")
+        if s.tensor_parallel_size > 1:
+            problems.append("VQUEUE_TENSOR_PARALLEL_SIZE > 1 needs GPUs")
+    elif s.tensor_parallel_size > gpus:
+        problems.append(
+            f"VQUEUE_TENSOR_PARALLEL_SIZE={s.tensor_parallel_size} but {gpus} GPU(s) are visible"
+        )
+    if s.max_num_batched_tokens is not None and s.max_num_batched_tokens < s.max_num_seqs:
+        problems.append(
+            f"VQUEUE_MAX_NUM_BATCHED_TOKENS={s.max_num_batched_tokens} is below "
+            f"VQUEUE_MAX_NUM_SEQS={s.max_num_seqs}: not every running sequence could advance"
+        )
+    if s.kv_cache_memory_bytes is not None and s.kv_cache_memory_bytes < 16 * 1024**2:
+        problems.append("VQUEUE_KV_CACHE_MEMORY_BYTES under 16 MiB holds almost nothing")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return int(torch.cuda.device_count())
+    except Exception:
+        return 0
 
 
 def _has_cuda() -> bool:
