@@ -4,6 +4,7 @@ Data goes to stdout, progress and errors to stderr. Errors are one line and a na
 
     0 OK    1 FAILURE    2 USAGE    3 INPUT (file unusable)    4 CONNECT (Redis unreachable)
     5 NOT_FOUND (no such batch)    6 TIMEOUT (--timeout passed while waiting)
+    7 REFUSED (a rate or queue-depth limit, with VQUEUE_ON_LIMIT=refuse)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import IO, Any, BinaryIO, NoReturn
 
 import click
 import redis
+from pydantic import ValidationError
 
 from schemas import (
     BatchStatus,
@@ -31,6 +33,7 @@ from schemas import (
 )
 
 RET_OK, RET_FAILURE, RET_USAGE, RET_INPUT, RET_CONNECT, RET_NOT_FOUND, RET_TIMEOUT = range(7)
+RET_REFUSED = 7
 # Per-line errors echoed to stderr before the rest are only counted (all go to --errors).
 MAX_ECHOED_ERRORS = 20
 
@@ -43,9 +46,13 @@ def fail(message: str, code: int = RET_FAILURE) -> NoReturn:
 class Ctx:
     """Shared options, resolved once; they default to the VQUEUE_* settings."""
 
-    def __init__(self, broker: str | None, queue: str | None) -> None:
-        updates = {k: v for k, v in (("broker_url", broker), ("queue", queue)) if v}
-        self.settings: Settings = get_settings().model_copy(update=updates)
+    def __init__(self, broker: str | None, queue: str | None, tenant: str | None = None) -> None:
+        pairs = (("broker_url", broker), ("queue", queue), ("tenant", tenant))
+        updates = {k: v for k, v in pairs if v}
+        try:
+            self.settings: Settings = get_settings().model_copy(update=updates)
+        except ValidationError as exc:
+            fail(f"invalid settings: {describe_settings_error(exc)}", RET_USAGE)
         self._client: Any = None
 
     @property
@@ -55,13 +62,28 @@ class Ctx:
 
             try:  # fail fast here; the client's own connections ride out a later restart
                 redis.Redis.from_url(self.settings.backend_url(), socket_connect_timeout=5).ping()
-                self._client = Client(self.settings)
+                self._client = Client(self.settings, on_wait=_say)
             except redis.RedisError as exc:
                 fail(
                     f"cannot reach Redis at {_redact(self.settings.backend_url())}: {exc}",
                     RET_CONNECT,
                 )
         return self._client
+
+
+def describe_settings_error(exc: ValidationError) -> str:
+    """``VQUEUE_DTYPE: Input should be ...; ...``: the env var to fix, not the model field."""
+    parts = []
+    for err in exc.errors(include_url=False):
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["loc"]:
+            msg = "VQUEUE_" + "_".join(str(x) for x in err["loc"]).upper() + ": " + msg
+        parts.append(msg)
+    return "; ".join(parts)
+
+
+def _say(message: str) -> None:
+    click.echo(f"vqueue: {message}", err=True)
 
 
 def _redact(url: str) -> str:
@@ -76,10 +98,11 @@ def _redact(url: str) -> str:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--broker", metavar="URL", help="Redis URL [env VQUEUE_BROKER_URL]")
 @click.option("--queue", metavar="NAME", help="Celery queue [env VQUEUE_QUEUE]")
+@click.option("--tenant", metavar="NAME", help="Whose jobs, for rate limits [env VQUEUE_TENANT]")
 @click.pass_context
-def cli(ctx: click.Context, broker: str | None, queue: str | None) -> None:
+def cli(ctx: click.Context, broker: str | None, queue: str | None, tenant: str | None) -> None:
     """Batch LLM jobs through Redis into GPU workers running vLLM."""
-    ctx.obj = Ctx(broker, queue)
+    ctx.obj = Ctx(broker, queue, tenant)
 
 
 # ----------------------------------------------------------------------------------- submit
@@ -97,6 +120,11 @@ def cli(ctx: click.Context, broker: str | None, queue: str | None) -> None:
 )
 @click.option("--batch", "batch_id", help="Batch id (default: generated).")
 @click.option("--priority", type=click.IntRange(0, 9), help="Priority for lines that set none.")
+@click.option(
+    "--system",
+    metavar="TEXT",
+    help="System prompt for lines that set none ('' for no system turn).",
+)
 @click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
 @click.option(
     "--json", "as_json", is_flag=True, help="Print a JSON summary instead of the batch id."
@@ -111,6 +139,7 @@ def submit(
     errors_path: str | None,
     batch_id: str | None,
     priority: int | None,
+    system: str | None,
     timeout: float | None,
     as_json: bool,
     quiet: bool,
@@ -154,7 +183,7 @@ def submit(
         def envelopes() -> Iterator[Envelope]:
             """The good lines as envelopes; bad ones are reported here and skipped."""
             nonlocal good, rejected
-            for p in parse_lines(lines(), default_priority=priority):
+            for p in parse_lines(lines(), default_priority=priority, default_system=system):
                 if p.error is not None:
                     rejected += 1
                     if rejected <= MAX_ECHOED_ERRORS:
@@ -168,7 +197,13 @@ def submit(
                     job=p.job, batch=batch, format=p.format, model=p.model, enqueued_at=time.time()
                 )
 
-        handle = client.submit_many(envelopes(), batch=batch, seal=False)
+        from .client import Refused
+
+        try:
+            handle = client.submit_many(envelopes(), batch=batch, seal=False)
+        except Refused as exc:
+            client.store.seal(batch, rejected=rejected)
+            fail(f"{exc}; the jobs before it are enqueued in batch {batch}", RET_REFUSED)
         client.store.seal(batch, rejected=rejected)
         bar.close()
         if rejected > MAX_ECHOED_ERRORS:

@@ -42,6 +42,10 @@ class WaitTimeout(VQueueError):
     pass
 
 
+class Refused(VQueueError):
+    """Submission refused at a limit (tenant rate, queue depth) under ``on_limit="refuse"``."""
+
+
 def new_batch_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
 
@@ -110,8 +114,16 @@ class Batch:
 class Client:
     """Submits jobs to the queue and reads results back; thread-safe for submitting."""
 
-    def __init__(self, settings: Settings | None = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        on_wait: Callable[[str], None] | None = None,
+        **overrides: Any,
+    ) -> None:
         self.settings = (settings or get_settings()).model_copy(update=overrides)
+        # told why submission is pausing (rate limit, full queue); the CLI prints it
+        self.on_wait = on_wait
+        self._told = ""
         s = self.settings
         self.store = BatchStore.from_settings(s)
         # jobs go to the broker; batches and results live in the result backend (often the same)
@@ -145,11 +157,13 @@ class Client:
         self.store.create(batch_id, "vqueue", source)
         chunk: list[Envelope] = []
         size = skipped = 0
+        # a chunk never outgrows the queue-depth limit, or it could never be admitted
+        chunk_jobs = min(PUBLISH_CHUNK, self.settings.max_queue_depth or PUBLISH_CHUNK)
         for item in jobs:
             env = self._envelope(item, batch_id)
             chunk.append(env)
             size += _size(env)
-            if len(chunk) >= PUBLISH_CHUNK or size >= PUBLISH_CHUNK_BYTES:
+            if len(chunk) >= chunk_jobs or size >= PUBLISH_CHUNK_BYTES:
                 skipped += self._publish(chunk, batch_id)
                 if on_progress:
                     on_progress(len(chunk))
@@ -183,10 +197,38 @@ class Client:
         """
         from .publish import send_envelopes
 
+        self._admit(len(envelopes))
         flags = self.store.claim(batch_id, [e.job.id for e in envelopes])
         todo = [e for e, f in zip(envelopes, flags, strict=True) if f >= 0]
         send_envelopes(self.broker, todo, self.settings.queue)
         return len(envelopes) - len(todo)
+
+    def _admit(self, n: int) -> None:
+        """Wait (or refuse) until the tenant's rate and the queue's depth admit ``n`` more."""
+        s = self.settings
+        rate, burst = s.tenant_rate(s.tenant), s.rate_limit_burst
+        taken = 0
+        while rate > 0 and taken < n:  # in burst-sized bites: more could never pass at once
+            bite = min(n - taken, burst)
+            wait = self.store.take_tokens(s.tenant, bite, rate, burst)
+            if wait:
+                self._pause(f"tenant {s.tenant!r} is over its {rate:g} jobs/s", wait)
+            else:
+                taken += bite
+        while s.max_queue_depth:
+            depth = self.queue_depth()
+            if depth + n <= s.max_queue_depth:
+                return
+            limit = f"VQUEUE_MAX_QUEUE_DEPTH={s.max_queue_depth}"
+            self._pause(f"queue {s.queue!r} is full ({limit})", 1.0)
+
+    def _pause(self, why: str, seconds: float) -> None:
+        if self.settings.on_limit == "refuse":
+            raise Refused(f"submission refused: {why}")
+        if self.on_wait and why != self._told:  # once per reason, not once per poll
+            self.on_wait(f"waiting: {why}")
+        self._told = why
+        time.sleep(min(max(seconds, 0.01), 5.0))
 
     def requeue_dead_letter(self, task_id: str) -> bool:
         """Run a dead-lettered job again: its failed result is withdrawn, its envelope sent to

@@ -33,13 +33,15 @@ class Parsed:
     custom_id: str | None = None  # the line's id, when one could be read, for the errors file
 
 
-def parse_lines(lines: Iterable[bytes], default_priority: int | None = None) -> Iterator[Parsed]:
+def parse_lines(
+    lines: Iterable[bytes], default_priority: int | None = None, default_system: str | None = None
+) -> Iterator[Parsed]:
     """Parse raw lines (bytes, so invalid UTF-8 is reported, not raised); skips blank lines."""
     seen: set[str] = set()
     for n, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
-        p = parse_line(n, raw, default_priority)
+        p = parse_line(n, raw, default_priority, default_system)
         if p.job is not None:
             if p.job.id in seen:
                 p = Parsed(
@@ -66,7 +68,9 @@ def read_lines(fh: BinaryIO) -> Iterator[bytes]:
             yield line
 
 
-def parse_line(n: int, raw: bytes, default_priority: int | None = None) -> Parsed:
+def parse_line(
+    n: int, raw: bytes, default_priority: int | None = None, default_system: str | None = None
+) -> Parsed:
     if raw == b"\0TOO_LONG" or len(raw) > MAX_LINE_BYTES:
         return Parsed(n, error=f"line is longer than {MAX_LINE_BYTES} bytes")
     try:
@@ -88,6 +92,8 @@ def parse_line(n: int, raw: bytes, default_priority: int | None = None) -> Parse
             return Parsed(n, job=job, format="openai", model=req.body.model, custom_id=ident)
         if default_priority is not None and "priority" not in obj:
             obj["priority"] = default_priority
+        if default_system is not None and "system" not in obj:
+            obj["system"] = default_system
         if "type" not in obj:
             return Parsed(
                 n, error=f"missing field 'type' (one of {', '.join(JOB_TYPES)})", custom_id=ident

@@ -83,6 +83,24 @@ return 1
 """
 
 
+# KEYS: the tenant's bucket. ARGV: rate (tokens/s), burst, n. Takes n tokens if there are n,
+# and returns 0; else takes nothing and returns the milliseconds until there will be.
+_TAKE = """
+local rate, burst, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local b = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+local tokens = tonumber(b[1]) or burst
+local at = tonumber(b[2]) or now
+tokens = math.min(burst, tokens + (now - at) * rate)
+local wait = 0
+if tokens >= n then tokens = tokens - n else wait = math.ceil((n - tokens) / rate * 1000) end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
+redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 60000)
+return wait
+"""
+
+
 def _retrying_client(url: str, retry_s: float) -> redis.Redis:
     """A client that rides out a Redis restart (AOF reload included) for about ``retry_s``."""
     from redis.backoff import ExponentialBackoff
@@ -111,6 +129,7 @@ class BatchStore:
         self._record = client.register_script(_RECORD)
         self._claim = client.register_script(_CLAIM)
         self._forget = client.register_script(_FORGET)
+        self._take = client.register_script(_TAKE)
 
     @classmethod
     def from_url(
@@ -157,6 +176,12 @@ class BatchStore:
             pipe.hincrby(self.key(batch), "rejected", rejected)
         pipe.hset(self.key(batch), "sealed", 1)
         pipe.execute()
+
+    def take_tokens(self, tenant: str, n: int, rate: float, burst: int) -> float:
+        """Take ``n`` submissions from ``tenant``'s token bucket (shared by all its producers):
+        0 if taken, else the seconds to wait before asking again."""
+        key = f"{self.prefix}:tenant:{tenant}:bucket"
+        return int(self._take(keys=[key], args=[rate, burst, n])) / 1000
 
     # -- worker side
     def record(self, result: JobResult) -> bool:

@@ -5,8 +5,14 @@ Producers read the broker and queue; workers read the rest. CLI options default 
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# What to do with a document longer than its type's input limit: keep its beginning, its end,
+# both ends (the middle goes), or fail the job with ``input_too_long``.
+Truncation = Literal["head", "tail", "head_tail", "reject"]
 
 
 class Settings(BaseSettings):
@@ -37,8 +43,13 @@ class Settings(BaseSettings):
     kv_cache_memory_bytes: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    dtype: str = "auto"
-    tensor_parallel_size: int = 1  # `vqueue worker --gpus 0,1` sets it from the GPU count
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
+    # weights' quantization as vLLM names it (awq, gptq, fp8, bitsandbytes, ...); None: as the
+    # checkpoint says. A .gguf VQUEUE_MODEL is dequantized on load instead (worker/models.py).
+    quantization: str | None = None
+    # GiB of weights kept in CPU memory and streamed to the GPU each step (a model too big for it)
+    cpu_offload_gb: float = Field(default=0.0, ge=0)
+    tensor_parallel_size: int = Field(default=1, ge=1)  # `--gpus 0,1` sets it from the GPU count
     # None: auto. Eager on CPU hosts (compiling costs minutes per start there), compiled with
     # CUDA graphs on GPUs. True/False force it.
     enforce_eager: bool | None = None
@@ -62,6 +73,25 @@ class Settings(BaseSettings):
     metrics_port: int = Field(default=9808, ge=0, le=65535)
     metrics_host: str = "0.0.0.0"
 
+    # -- prompts and inputs, per job type
+    # system prompts: short, since every token of them is prefilled for every job; "" drops the
+    # system turn (the job's instruction is in the user turn anyway). A job's `system` wins.
+    system_summarize: str = "You summarize text accurately and concisely."
+    system_extract: str = "You extract facts from text as JSON."
+    system_codegen: str = "You write correct, complete code."
+    # strip zero-width characters, BOMs, control characters and pasted styling before tokenizing
+    clean_input: bool = True
+    # the longest document (summarize/extract text, codegen context; chat: the whole prompt) a
+    # job may bring, in the model's tokens; the seed notes' limits. max_model_len bounds it too.
+    max_input_tokens_summarize: int = Field(default=32768, ge=1)
+    max_input_tokens_extract: int = Field(default=65536, ge=1)
+    max_input_tokens_codegen: int = Field(default=131072, ge=1)
+    max_input_tokens_chat: int = Field(default=8192, ge=1)
+    truncation_summarize: Truncation = "head_tail"
+    truncation_extract: Truncation = "head"
+    truncation_codegen: Truncation = "tail"
+    truncation_chat: Literal["reject"] = "reject"  # a conversation is never cut
+
     # -- per-type output budgets when a job sets no max_tokens
     max_tokens_summarize: int = 256
     max_tokens_extract: int = 512
@@ -78,6 +108,18 @@ class Settings(BaseSettings):
             )
         return self
 
+    # -- admission at submit (producers)
+    tenant: str = Field(default="default", min_length=1, max_length=128)  # whose jobs these are
+    # jobs/s each tenant may submit (a token bucket in Redis shared by all its producers); 0: no
+    # limit. Per-tenant values: VQUEUE_RATE_LIMITS='{"team-a": 500}'.
+    rate_limit_per_s: float = Field(default=0.0, ge=0)
+    rate_limit_burst: int = Field(default=5000, ge=1)
+    rate_limits: dict[str, float] = Field(default_factory=dict)
+    # jobs waiting in the queue beyond which submit waits for room (or refuses); 0: no limit
+    max_queue_depth: int = Field(default=0, ge=0)
+    # what a producer does at a limit: wait (with a message on stderr) or refuse (exit 7)
+    on_limit: Literal["wait", "refuse"] = "wait"
+
     def backend_url(self) -> str:
         return self.result_backend or self.broker_url
 
@@ -86,6 +128,19 @@ class Settings(BaseSettings):
 
     def default_max_tokens(self, job_type: str) -> int:
         return int(getattr(self, f"max_tokens_{job_type}"))
+
+    def system_prompt(self, job_type: str) -> str:
+        return str(getattr(self, f"system_{job_type}", ""))
+
+    def max_input_tokens(self, job_type: str) -> int:
+        return int(getattr(self, f"max_input_tokens_{job_type}"))
+
+    def truncation(self, job_type: str) -> Truncation:
+        value: Truncation = getattr(self, f"truncation_{job_type}")
+        return value
+
+    def tenant_rate(self, tenant: str) -> float:
+        return self.rate_limits.get(tenant, self.rate_limit_per_s)
 
 
 def get_settings() -> Settings:
