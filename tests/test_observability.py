@@ -184,7 +184,10 @@ def test_metrics_count_a_batch(worker: WorkerProc, client: Client) -> None:
         {"id": f"m{i}", "type": "summarize", "text": f"Item {i} was shipped late.", "max_tokens": 8}
         for i in range(3)
     ]
-    jobs.append({"id": "m-long", "type": "summarize", "text": "word " * 3000, "max_tokens": 8})
+    jobs.append(
+        {"id": "m-long", "type": "summarize", "text": "word " * 3000, "max_tokens": 8,
+         "truncation": "reject"}
+    )  # fmt: skip
 
     # When the batch runs
     batch = client.submit_many(jobs)

@@ -60,3 +60,20 @@ def test_worker_refuses_bad_gpu_ids(gpus: str) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.decode().startswith("vqueue: --gpus takes GPU ids like 0 or 0,1")
+
+
+def test_every_setting_is_documented() -> None:
+    # docs/configuration.md is the one table of settings: it must not fall behind the code
+    from schemas import Settings
+
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+
+    def listed(name: str) -> bool:
+        if f"`{name}`" in doc:
+            return True
+        # per-type rows read `max_tokens_summarize` / `_extract` / `_codegen` / `_chat`
+        head, _, kind = name.rpartition("_")
+        return f"`{head}_summarize`" in doc and (f"`_{kind}`" in doc or f"`{head}_{kind}`" in doc)
+
+    missing = [name for name in Settings.model_fields if not listed(name)]
+    assert not missing, f"settings missing from docs/configuration.md: {missing}"

@@ -350,7 +350,7 @@ def test_bad_input_suite(worker: WorkerProc, tmp_path: Path) -> None:
         (_line(id="s-deep", type="extract", text="x", json_schema=deep), "more than 32 levels"),
         (_line(id="nulok", text="escaped \u0000 NUL is text", **ok), None),
         (_line(id="inject", text=INJECTION, **ok), None),
-        (_line(id="toolong", text="word " * 3000, **ok), None),
+        (_line(id="toolong", text="word " * 3000, truncation="reject", **ok), None),
         (_line(id="good2", text="The sun rose over the hills.", **ok), None),
     ]
     src = tmp_path / "hostile.jsonl"
