@@ -59,7 +59,9 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--kv-cache-bytes", type=int, default=0)
+    ap.add_argument("--sections", default="system,long,json")
     a = ap.parse_args()
+    sections = set(a.sections.split(","))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     import redis
@@ -137,18 +139,18 @@ def main() -> None:
         run("warmup", warm)
         rows.pop()
         systems = {"none": "", "default": None, "verbose": VERBOSE}
-        for label, system in systems.items():
+        for label, system in systems.items() if "system" in sections else ():
             extra = {} if system is None else {"system": system}
             docs = [f"Report {i}. {SHORT_DOC}" for i in range(n(40))]
             jobs = [{"type": "summarize", "text": d, **fixed, **extra} for d in docs]
             run(f"system={label}, one at a time", jobs, one_at_a_time=True)
-        for label, system in systems.items():
+        for label, system in systems.items() if "system" in sections else ():
             extra = {} if system is None else {"system": system}
             docs = [f"Report {i}. {text(rng, 120)}" for i in range(n(2000))]
             jobs = [{"type": "summarize", "text": d, **fixed, **extra} for d in docs]
             run(f"system={label}, batch", jobs)
         docs = [text(rng, a.doc_words) for i in range(n(200))]
-        for limit in (2048, 8192, 16384, None):
+        for limit in (2048, 8192, 16384, None) if "long" in sections else ():
             extra: dict[str, Any] = {"truncation": "head_tail"}
             if limit:
                 extra["max_input_tokens"] = limit
@@ -158,49 +160,51 @@ def main() -> None:
                 for i, d in enumerate(docs)
             ]
             run(f"long docs, max_input_tokens={limit or 'none'}", jobs)
-        # 3. guided JSON vs the same prompts unconstrained, with the same output lengths: each
-        # unconstrained job is forced to emit exactly as many tokens as its constrained twin
-        from schemas import ExtractJob
-        from worker.prompts import build_messages
+        if "json" in sections:
+            # 3. guided JSON vs the same prompts unconstrained, with the same output lengths: each
+            # unconstrained job is forced to emit exactly as many tokens as its constrained twin
+            from schemas import ExtractJob
+            from worker.prompts import build_messages
 
-        from .workloads import SCHEMAS
+            from .workloads import SCHEMAS
 
-        settings = Settings(_env_file=None)
-        extract = [
-            {"id": f"x{i}", "type": "extract", "text": text(rng, 300), "max_tokens": 256,
-             "json_schema": SCHEMAS[i % len(SCHEMAS)]}
-            for i in range(n(1000))
-        ]  # fmt: skip
-        t = time.perf_counter()
-        got = {x.id: x for x in client.submit_many(extract).results(timeout=1200)}
-        json_wall = time.perf_counter() - t
-        tokens = sum(x.usage.completion_tokens for x in got.values())
-        rows.append(
-            {"run": "json, guided (extract)", "jobs": len(got), "wall_s": round(json_wall, 2),
-             "jobs_per_s": round(len(got) / json_wall, 2),
-             "output_tok_per_s": round(tokens / json_wall), "output_tokens": tokens,
-             "failed": sum(1 for x in got.values() if x.status != "completed"),
-             "errors": sorted({x.error.type for x in got.values() if x.error})}
-        )  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
-        free = []
-        for j in extract:
-            k = max(1, got[j["id"]].usage.completion_tokens)
-            msgs = build_messages(ExtractJob.model_validate(j), settings)
-            free.append({"id": j["id"], "type": "chat", "messages": msgs, "max_tokens": k,
-                         "min_tokens": k, "ignore_eos": True})  # fmt: skip
-        t = time.perf_counter()
-        res = list(client.submit_many(free).results(timeout=1200))
-        free_wall = time.perf_counter() - t
-        free_tokens = sum(x.usage.completion_tokens for x in res)
-        rows.append(
-            {"run": "json, same prompts and lengths unconstrained", "jobs": len(res),
-             "wall_s": round(free_wall, 2), "jobs_per_s": round(len(res) / free_wall, 2),
-             "output_tok_per_s": round(free_tokens / free_wall), "output_tokens": free_tokens,
-             "failed": sum(1 for x in res if x.status != "completed"),
-             "guided_vs_unconstrained": round(free_wall / json_wall, 3)}
-        )  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
+            settings = Settings(_env_file=None)
+            backend = os.environ.get("VQUEUE_STRUCTURED_OUTPUTS_BACKEND", "guidance")
+            extract = [
+                {"id": f"x{i}", "type": "extract", "text": text(rng, 300), "max_tokens": 256,
+                 "json_schema": SCHEMAS[i % len(SCHEMAS)]}
+                for i in range(n(1000))
+            ]  # fmt: skip
+            t = time.perf_counter()
+            got = {x.id: x for x in client.submit_many(extract).results(timeout=1200)}
+            json_wall = time.perf_counter() - t
+            tokens = sum(x.usage.completion_tokens for x in got.values())
+            rows.append(
+                {"run": f"json, guided ({backend})", "jobs": len(got),
+                 "wall_s": round(json_wall, 2), "jobs_per_s": round(len(got) / json_wall, 2),
+                 "output_tok_per_s": round(tokens / json_wall), "output_tokens": tokens,
+                 "failed": sum(1 for x in got.values() if x.status != "completed"),
+                 "errors": sorted({x.error.type for x in got.values() if x.error})}
+            )  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+            free = []
+            for j in extract:
+                k = max(1, got[j["id"]].usage.completion_tokens)
+                msgs = build_messages(ExtractJob.model_validate(j), settings)
+                free.append({"id": j["id"], "type": "chat", "messages": msgs, "max_tokens": k,
+                             "min_tokens": k, "ignore_eos": True})  # fmt: skip
+            t = time.perf_counter()
+            res = list(client.submit_many(free).results(timeout=1200))
+            free_wall = time.perf_counter() - t
+            free_tokens = sum(x.usage.completion_tokens for x in res)
+            rows.append(
+                {"run": "json, same prompts and lengths unconstrained", "jobs": len(res),
+                 "wall_s": round(free_wall, 2), "jobs_per_s": round(len(res) / free_wall, 2),
+                 "output_tok_per_s": round(free_tokens / free_wall), "output_tokens": free_tokens,
+                 "failed": sum(1 for x in res if x.status != "completed"),
+                 "guided_vs_unconstrained": round(free_wall / json_wall, 3)}
+            )  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
         try:
             import urllib.request
 
