@@ -34,7 +34,9 @@ class StubEngine:
     def decode(self, ids: list[int]) -> str:
         return "".join(map(chr, ids))
 
-    def generate(self, prompt_ids: list[int], params: Any, timeout_s: Any = None) -> Generation:
+    def generate(
+        self, prompt_ids: list[int], params: Any, timeout_s: Any = None, prefix_key: Any = None
+    ) -> Generation:
         with self._lock:
             self.jobs_done += 1
         return Generation(

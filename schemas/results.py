@@ -28,6 +28,7 @@ class JobError(BaseModel):
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache
 
 
 class Timings(BaseModel):
@@ -70,6 +71,12 @@ class BatchStatus(BaseModel):
     rejected: int  # input lines refused at submit; never enqueued
     created_at: float
     updated_at: float | None = None
+    prompt_tokens: int = 0  # of finished jobs
+    cached_tokens: int = 0  # of those, served from the prefix cache
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
     @property
     def done(self) -> int:

@@ -43,7 +43,9 @@ class FakeEngine:
     def decode(self, ids: list[int]) -> str:
         return "".join(map(chr, ids))
 
-    def generate(self, prompt_ids: list[int], params: Any, timeout_s: Any = None) -> Generation:
+    def generate(
+        self, prompt_ids: list[int], params: Any, timeout_s: Any = None, prefix_key: Any = None
+    ) -> Generation:
         with self._lock:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)

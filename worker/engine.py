@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -56,6 +57,7 @@ class Generation:
     prompt_tokens: int
     completion_tokens: int
     first_token_at: float | None  # wall clock, from the engine's own request stats
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class EngineHost:
@@ -72,6 +74,7 @@ class EngineHost:
         )
         self._thread.start()
         self._lock = threading.Lock()
+        self._groups: OrderedDict[str, threading.Event] = OrderedDict()
         self.in_flight = 0
         self.max_in_flight = 0
         self.jobs_done = 0
@@ -124,14 +127,22 @@ class EngineHost:
         return str(self.tokenizer.decode(ids))
 
     def generate(
-        self, prompt_ids: list[int], params: Any, timeout_s: float | None = None
+        self,
+        prompt_ids: list[int],
+        params: Any,
+        timeout_s: float | None = None,
+        prefix_key: str | None = None,
     ) -> Generation:
         """Run one request to completion; blocks the calling (task) thread, not the engine."""
+        started = time.monotonic()
+        limit = min(timeout_s or self.settings.job_timeout_s, self.settings.job_timeout_s)
+        first_of_group = self._gate(prefix_key, limit)
+        limit = max(limit - (time.monotonic() - started), 0.001)
         with self._lock:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        limit = min(timeout_s or self.settings.job_timeout_s, self.settings.job_timeout_s)
-        future = asyncio.run_coroutine_threadsafe(self._generate(prompt_ids, params), self._loop)
+        coro = self._generate(prompt_ids, params, first_of_group)
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout=limit)
         except concurrent.futures.TimeoutError:
@@ -142,15 +153,42 @@ class EngineHost:
                 self.in_flight -= 1
                 self.jobs_done += 1
 
-    async def _generate(self, prompt_ids: list[int], params: Any) -> Generation:
+    def _gate(self, prefix_key: str | None, limit: float) -> threading.Event | None:
+        """Prefix gating: the first job of a prefix group goes at once and the rest of its group
+        waits until that job's prefill is done (its first token), so they find the prefix's KV
+        blocks cached instead of all computing it in the same step. Returns the event the caller
+        must set when it leads a group; None when it follows (or gating is off)."""
+        if not prefix_key or not self.settings.prefix_gating:
+            return None
+        with self._lock:
+            event = self._groups.get(prefix_key)
+            if event is None:
+                event = self._groups[prefix_key] = threading.Event()
+                while len(self._groups) > 4096:  # remember recent groups only
+                    self._groups.popitem(last=False)
+                return event
+            self._groups.move_to_end(prefix_key)
+        event.wait(min(limit, self.settings.prefix_gate_timeout_s))
+        return None
+
+    async def _generate(
+        self, prompt_ids: list[int], params: Any, leader: threading.Event | None = None
+    ) -> Generation:
         # A fresh id per call: vLLM refuses a reused id, and a retry must never collide.
         request_id = uuid.uuid4().hex
         final = None
+        if leader is not None:  # the group's first job reports its first token to release the rest
+            from vllm.sampling_params import RequestOutputKind
+
+            params = params.clone()
+            params.output_kind = RequestOutputKind.CUMULATIVE
         try:
             async for out in self.engine.generate(
                 {"prompt_token_ids": prompt_ids}, params, request_id
             ):
                 final = out
+                if leader is not None and not leader.is_set():
+                    leader.set()
         except asyncio.CancelledError:
             await self.engine.abort(request_id)
             raise
@@ -158,6 +196,9 @@ class EngineHost:
             if type(exc).__name__ == "EngineDeadError" or self.engine.errored:
                 raise EngineDead(f"{type(exc).__name__}: {exc}") from exc
             raise EngineError(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            if leader is not None:
+                leader.set()  # never leave the group waiting, whatever happened
         if final is None or not final.outputs:
             raise EngineError("the engine returned no output")
         choice = final.outputs[0]
@@ -171,6 +212,7 @@ class EngineHost:
             prompt_tokens=len(final.prompt_token_ids or prompt_ids),
             completion_tokens=len(choice.token_ids),
             first_token_at=first,
+            cached_tokens=int(getattr(final, "num_cached_tokens", 0) or 0),
         )
 
     def close(self) -> None:

@@ -65,11 +65,14 @@ def run_job(env: Envelope, engine: EngineHost, settings: Settings, worker: str) 
                 f"{settings.max_model_len} and the answer needs at least {MIN_ANSWER_TOKENS}",
             )
         max_tokens = min(want, room)
-        gen = engine.generate(prompt, sampling_params(job, max_tokens), job.timeout_s)
+        params = sampling_params(job, max_tokens)
+        gen = engine.generate(prompt, params, job.timeout_s, env.prefix_key)
         result.text = gen.text
         result.finish_reason = gen.finish_reason
         result.usage = Usage(
-            prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens
+            prompt_tokens=gen.prompt_tokens,
+            completion_tokens=gen.completion_tokens,
+            cached_tokens=gen.cached_tokens,
         )
         result.timings.first_token_at = gen.first_token_at
         _read_output(job, gen.text, gen.finish_reason, result)
