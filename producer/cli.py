@@ -119,6 +119,11 @@ def cli(ctx: click.Context, broker: str | None, queue: str | None, tenant: str |
     help="Write rejected lines and failed jobs here (JSONL).",
 )
 @click.option("--batch", "batch_id", help="Batch id (default: generated).")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="With --batch: run ids that already have results again (their results are replaced).",
+)
 @click.option("--priority", type=click.IntRange(0, 9), help="Priority for lines that set none.")
 @click.option(
     "--system",
@@ -138,6 +143,7 @@ def submit(
     out_path: str | None,
     errors_path: str | None,
     batch_id: str | None,
+    force: bool,
     priority: int | None,
     system: str | None,
     timeout: float | None,
@@ -200,7 +206,7 @@ def submit(
         from .client import Refused
 
         try:
-            handle = client.submit_many(envelopes(), batch=batch, seal=False)
+            handle = client.submit_many(envelopes(), batch=batch, seal=False, force=force)
         except Refused as exc:
             client.store.seal(batch, rejected=rejected)
             fail(f"{exc}; the jobs before it are enqueued in batch {batch}", RET_REFUSED)
@@ -326,15 +332,18 @@ def _batch_status(client: Any, batch: str, as_json: bool) -> str:
     elapsed = max((st.updated_at or time.time()) - st.created_at, 1e-9)
     rate = st.done / elapsed
     eta = st.remaining / rate if rate > 0 else None
+    hits = st.prefix_hit_rate
     if as_json:
         d = st.model_dump()
         d.update(done=st.done, remaining=st.remaining, rate_per_s=rate, eta_s=eta)
+        d.update(prefix_hit_rate=hits)
         return json.dumps(d)
     eta_txt = f"{eta:.0f}s" if eta is not None else "-"
     return (
         f"batch {batch}: {st.done}/{st.total} done ({st.completed} completed, {st.failed} failed),"
         f" {st.remaining} remaining, {st.rejected} rejected at submit;"
         f" {rate:.2f} jobs/s, ETA {eta_txt}"
+        + (f"; prefix cache {hits:.0%} of prompt tokens" if hits is not None else "")
     )
 
 
@@ -585,7 +594,13 @@ def worker(
     # vLLM starts its engine core as a child process; fork in a threaded process can deadlock.
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     ws = s.model_copy(update={"concurrency": concurrency} if concurrency else {})
-    name = hostname or (f"vqueue-gpu{gpus.replace(',', '-')}@%h" if gpus else "vqueue@%h")
+    from celery.utils.nodenames import host_format
+
+    from .routing import worker_queue
+
+    name = host_format(
+        hostname or (f"vqueue-gpu{gpus.replace(',', '-')}@%h" if gpus else "vqueue@%h")
+    )
     argv = [
         sys.executable,
         "-m",
@@ -598,8 +613,9 @@ def worker(
         "threads",
         "--concurrency",
         str(ws.worker_concurrency()),
+        # the shared queue, and its own for the jobs routed to it by prefix (producer/routing.py)
         "--queues",
-        ws.queue,
+        f"{ws.queue},{worker_queue(ws.queue, name)}",
         "--hostname",
         name,
         "--loglevel",

@@ -21,6 +21,7 @@ from pydantic import TypeAdapter
 
 from schemas import BatchStatus, Envelope, Job, JobResult, Settings, get_settings
 
+from .routing import Router
 from .store import BatchStore
 
 _job_adapter: TypeAdapter[Any] = TypeAdapter(Job)
@@ -131,6 +132,9 @@ class Client:
         self.broker = (
             self.store.r if same else BatchStore.from_url(s.broker_url, retry_s=s.redis_retry_s).r
         )
+        self.router: Router | None = None
+        if s.prefix_routing:
+            self.router = Router(self.store, self.broker, s.queue, s.route_spill_depth)
 
     def batch(self, batch_id: str) -> Batch:
         return Batch(self, batch_id)
@@ -146,12 +150,15 @@ class Client:
         source: str | None = None,
         seal: bool = True,
         on_progress: Callable[[int], None] | None = None,
+        force: bool = False,
     ) -> Batch:
         """Validate and enqueue ``jobs`` in pipelined chunks; returns once all are in Redis.
 
         Dicts are validated against the job models first (``pydantic.ValidationError`` on a bad
         one, before anything of that chunk is sent). ``seal=False`` leaves the batch open for
-        more ``submit_many`` calls with the same id; ``seal_batch`` closes it.
+        more ``submit_many`` calls with the same id; ``seal_batch`` closes it. An id that already
+        has a result in the batch is skipped, unless ``force``: then its result is withdrawn and
+        it runs again.
         """
         batch_id = batch or new_batch_id()
         self.store.create(batch_id, "vqueue", source)
@@ -164,12 +171,12 @@ class Client:
             chunk.append(env)
             size += _size(env)
             if len(chunk) >= chunk_jobs or size >= PUBLISH_CHUNK_BYTES:
-                skipped += self._publish(chunk, batch_id)
+                skipped += self._publish(chunk, batch_id, force)
                 if on_progress:
                     on_progress(len(chunk))
                 chunk, size = [], 0
         if chunk:
-            skipped += self._publish(chunk, batch_id)
+            skipped += self._publish(chunk, batch_id, force)
             if on_progress:
                 on_progress(len(chunk))
         if seal:
@@ -187,7 +194,7 @@ class Client:
         job = item if not isinstance(item, dict) else _job_adapter.validate_python(item)
         return Envelope(job=job, batch=batch_id, enqueued_at=time.time())
 
-    def _publish(self, envelopes: list[Envelope], batch_id: str) -> int:
+    def _publish(self, envelopes: list[Envelope], batch_id: str, force: bool = False) -> int:
         """Claim, then send, one chunk (a round trip each); returns how many were skipped
         because their id already has a result in this batch.
 
@@ -198,9 +205,18 @@ class Client:
         from .publish import send_envelopes
 
         self._admit(len(envelopes))
+        if force:  # a forced re-run: withdraw the results these ids have
+            for e in envelopes:
+                self.store.forget(batch_id, e.job.id)
         flags = self.store.claim(batch_id, [e.job.id for e in envelopes])
         todo = [e for e, f in zip(envelopes, flags, strict=True) if f >= 0]
-        send_envelopes(self.broker, todo, self.settings.queue)
+        # a prefix group's jobs travel together, so an engine takes them in one stretch
+        todo.sort(key=lambda e: e.prefix_key or "")
+        if self.router is None:
+            send_envelopes(self.broker, todo, self.settings.queue)
+        else:
+            for queue, group in self.router.route(todo).items():
+                send_envelopes(self.broker, group, queue)
         return len(envelopes) - len(todo)
 
     def _admit(self, n: int) -> None:

@@ -27,13 +27,16 @@ import redis
 
 from schemas import BatchStatus, JobResult, Settings
 
-# KEYS: batch hash, done hash, results stream. ARGV: job id, result json, status field, ttl.
+# KEYS: batch hash, done hash, results stream. ARGV: job id, result json, status field, ttl,
+# now, prompt tokens, prompt tokens served from the prefix cache.
 _RECORD = """
 local done = redis.call('HGET', KEYS[2], ARGV[1])
 if done and done ~= '' then return 0 end
 local entry = redis.call('XADD', KEYS[3], '*', 'id', ARGV[1], 'result', ARGV[2])
 redis.call('HSET', KEYS[2], ARGV[1], entry)
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
+redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[6])
+redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[7])
 redis.call('HSET', KEYS[1], 'updated_at', ARGV[5])
 for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
 return 1
@@ -193,6 +196,7 @@ class BatchStore:
         ]
         field = "completed" if result.status == "completed" else "failed"
         args = [result.id, result.model_dump_json(), field, self.ttl_s, time.time()]
+        args += [result.usage.prompt_tokens, result.usage.cached_tokens]
         return bool(self._record(keys=keys, args=args))
 
     # -- reading
@@ -208,6 +212,8 @@ class BatchStore:
             rejected=int(h.get("rejected", 0)),
             created_at=float(h.get("created_at", 0)),
             updated_at=float(h["updated_at"]) if h.get("updated_at") else None,
+            prompt_tokens=int(h.get("prompt_tokens", 0)),
+            cached_tokens=int(h.get("cached_tokens", 0)),
         )
 
     def is_sealed(self, batch: str) -> bool:

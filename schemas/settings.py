@@ -55,6 +55,10 @@ class Settings(BaseSettings):
     enforce_eager: bool | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    # the first job of a prefix group prefills alone; its siblings wait (at most this long) for
+    # its first token, then find the prefix cached (worker/engine.py: EngineHost._gate)
+    prefix_gating: bool = True
+    prefix_gate_timeout_s: float = Field(default=30.0, ge=0)
     # guided decoding backend: llguidance covers the widest JSON Schema subset and compiles
     # grammars lazily; "xgrammar" is the alternative
     structured_outputs_backend: str = "guidance"
@@ -117,6 +121,11 @@ class Settings(BaseSettings):
     rate_limits: dict[str, float] = Field(default_factory=dict)
     # jobs waiting in the queue beyond which submit waits for room (or refuses); 0: no limit
     max_queue_depth: int = Field(default=0, ge=0)
+    # send each job to the live worker its prefix key hashes to (rendezvous hashing), so a
+    # prefix is computed on one GPU; a worker with this many jobs waiting in its own queue is
+    # skipped for the least-loaded one (0: the worker's concurrency)
+    prefix_routing: bool = True
+    route_spill_depth: int = Field(default=0, ge=0)
     # what a producer does at a limit: wait (with a message on stderr) or refuse (exit 7)
     on_limit: Literal["wait", "refuse"] = "wait"
 

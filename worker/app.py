@@ -17,6 +17,7 @@ from typing import Any
 from celery import Celery, signals
 
 from producer.publish import PRIORITY_SEP, PRIORITY_STEPS, task_name
+from producer.routing import move_all, rescue_orphans, worker_queue
 from schemas import JOB_TYPES, Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,10 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
 def _close_engine(**_: Any) -> None:
     state.stop.set()
     try:
-        _store().forget_worker(state.name)
+        store = _store()
+        store.forget_worker(state.name)
+        # what producers routed here and nobody took goes back to the shared queue
+        move_all(store.r, worker_queue(settings.queue, state.name), settings.queue)
     except Exception:
         pass
     if state.engine is not None:
@@ -139,12 +143,17 @@ def _heartbeat() -> None:
             "started_at": e.started_at if e else None,
             "updated_at": time.time(),
             "metrics_url": state.metrics_url,
+            "routed": True,  # consumes <queue>@<name>: producers may route jobs to it
         }
         stats = getattr(e, "stats", None)
         if stats is not None:
             info.update(stats.snapshot())
         try:
             store.heartbeat(state.name, info, ttl_s=3 * settings.heartbeat_s)
+            live = {w["name"] for w in store.workers()}
+            moved = rescue_orphans(store.r, settings.queue, live)
+            if moved:
+                log.warning("moved %d jobs of workers that are gone to %s", moved, settings.queue)
         except Exception as exc:  # Redis restarting: keep trying, the worker itself is fine
             log.warning("heartbeat failed: %s", exc)
         state.stop.wait(settings.heartbeat_s)

@@ -1,0 +1,94 @@
+"""Prefix-aware routing: each job goes to the worker its prefix key hashes to.
+
+Every worker consumes the shared queue and a queue of its own (``<queue>@<worker>``). A producer
+ranks the live workers (their heartbeats) for each job by rendezvous hashing on the job's prefix
+key, so jobs sharing a prefix meet on one engine, whose prefix cache then serves them, and a
+worker joining or leaving moves only the keys it wins or held. A worker whose own queue already
+holds ``spill`` jobs is passed over for the least-loaded one: caches stay warm without hot spots.
+With no live worker, jobs go to the shared queue, which any worker takes from.
+
+A dead worker's queue is not stranded: live workers move its jobs to the shared queue
+(``rescue_orphans``), and a worker stopping cleanly moves its own (``drain``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import defaultdict
+from typing import Any
+
+import redis
+
+from schemas import Envelope
+
+from .publish import queue_depth, queue_keys
+
+
+def worker_queue(queue: str, worker: str) -> str:
+    return f"{queue}@{worker}"
+
+
+def rank(prefix_key: str, workers: list[str]) -> list[str]:
+    """Workers by rendezvous (highest random weight) score for ``prefix_key``, best first."""
+
+    def score(w: str) -> int:
+        return int.from_bytes(hashlib.blake2b(f"{prefix_key}|{w}".encode(), digest_size=8).digest())
+
+    return sorted(workers, key=score, reverse=True)
+
+
+class Router:
+    """Chooses a queue per job; one per producer, its view of the fleet refreshed every 2 s."""
+
+    def __init__(self, store: Any, broker: redis.Redis, queue: str, spill: int = 0) -> None:
+        self.store, self.broker, self.queue, self.spill = store, broker, queue, spill
+        self._workers: dict[str, int] = {}  # name -> spill threshold
+        self._seen = 0.0
+
+    def workers(self) -> dict[str, int]:
+        if time.monotonic() - self._seen > 2.0:
+            live = [w for w in self.store.workers() if w.get("queue") == self.queue]
+            self._workers = {
+                w["name"]: self.spill or max(int(w.get("concurrency") or 1), 1)
+                for w in live
+                if w.get("routed")
+            }
+            self._seen = time.monotonic()
+        return self._workers
+
+    def route(self, envelopes: list[Envelope]) -> dict[str, list[Envelope]]:
+        workers = self.workers()
+        if not workers:
+            return {self.queue: envelopes}
+        names = sorted(workers)
+        depth = {w: queue_depth(self.broker, worker_queue(self.queue, w)) for w in names}
+        out: dict[str, list[Envelope]] = defaultdict(list)
+        for env in envelopes:
+            target = rank(env.prefix_key or env.job.id, names)[0]
+            if depth[target] >= workers[target]:  # backed up: the least-loaded takes it
+                target = min(names, key=lambda w: depth[w] / workers[w])
+            depth[target] += 1
+            out[worker_queue(self.queue, target)].append(env)
+        return out
+
+
+def move_all(broker: redis.Redis, src: str, dst: str) -> int:
+    """Move every job of queue ``src`` (all priority lists) to ``dst``, oldest first."""
+    moved = 0
+    for s, d in zip(queue_keys(src), queue_keys(dst), strict=True):
+        while broker.lmove(s, d, "RIGHT", "LEFT") is not None:
+            moved += 1
+    return moved
+
+
+def rescue_orphans(broker: redis.Redis, queue: str, live: set[str]) -> int:
+    """Move the jobs of workers that are gone (no heartbeat) to the shared queue."""
+    moved = 0
+    for key in broker.scan_iter(match=f"{queue}@*", count=1000):
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        base = name.split(":", 1)[0] if ":" in name.rsplit("@", 1)[-1] else name
+        worker = base[len(queue) + 1 :]
+        if worker not in live:
+            moved += move_all(broker, base, queue)
+    return moved
