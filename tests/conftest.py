@@ -115,8 +115,10 @@ class WorkerProc:
         wait_for(ready, timeout, f"worker {self.name} to start", interval=1)
 
     def stop(self, timeout: float = 60) -> int | None:
+        """SIGTERM to the worker process alone, as docker and Kubernetes send it: the engine's
+        own process must stay up while the worker finishes what it holds."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.kill(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -205,3 +205,17 @@ def test_gguf_model_file_loads(redis_client: redis.Redis) -> None:
     # Then it is served from the converted file, under the file's path as the model name
     assert res.status == "completed" and res.text
     assert res.model == str(gguf)
+
+
+def test_output_budgets_and_stop_sequences(client: Client) -> None:
+    # Given a summary with no max_tokens that would never stop by itself, and one with a stop
+    endless = {"id": "budget", "type": "summarize", "text": "Bees make honey.", "ignore_eos": True}
+    stopped = {"id": "stop", "type": "summarize", "text": DOC, "max_tokens": 64, "stop": [" the"]}
+    got = _run(client, endless, stopped)
+    # Then the first ends at the per-type budget (VQUEUE_MAX_TOKENS_SUMMARIZE, 256) ...
+    assert got["budget"].usage.completion_tokens == 256
+    assert got["budget"].finish_reason == "length"
+    # ... and the second at its stop sequence, which is not in the text
+    s = got["stop"]
+    assert s.finish_reason == "stop" and " the" not in (s.text or "")
+    assert s.usage.completion_tokens < 64

@@ -220,6 +220,36 @@ def test_sigterm_drains_then_next_worker_finishes(private_redis: PrivateRedis) -
     )  # fmt: skip
 
 
+def test_a_killed_workers_own_queue_is_rescued(private_redis: PrivateRedis) -> None:
+    # Given two workers, and 30 jobs of one prefix group routed to one of them
+    client = Client(
+        make_settings("faults", broker_url=private_redis.url, visibility_timeout_s=8,
+                      job_timeout_s=5, route_spill_depth=1000)
+    )  # fmt: skip
+    ws = {n: fake_worker(n, private_redis.url, delay=0.5, concurrency=2) for n in ("o1", "o2")}
+    for w in ws.values():
+        w.wait_ready(client.store.r, timeout=120)
+    batch = client.submit_many(_jobs(30)).id
+    wait_for(lambda: _done(client, batch) >= 2, 60, "the first results")
+    (home,) = {r.worker for r in client.store.iter_all(batch)}
+    dead, other = ws[home.split("@")[0]], ws[({"o1", "o2"} - {home.split("@")[0]}).pop()]
+    # When that worker is killed with its own queue full
+    os.killpg(dead.proc.pid, signal.SIGKILL)
+    dead.proc.wait(10)
+    dead.log.close()
+    try:
+        # Then the other worker takes its queue over (and, after the visibility timeout, the
+        # jobs it held); every job has one result
+        wait_for(lambda: _done(client, batch) >= 30, 120, "all 30 results")
+        figures = _exactly_once(client, batch, 30)
+    finally:
+        other.stop()
+    took = sum(1 for r in client.store.iter_all(batch) if r.worker == other.name + "@test")
+    assert took >= 20
+    _report("worker killed with jobs in its own queue",
+            {"jobs": 30, "taken_over_by_the_other": took, **figures})  # fmt: skip
+
+
 def test_poison_job_is_dead_lettered_and_requeued(private_redis: PrivateRedis) -> None:
     # Given a batch with one job that kills its worker every time it runs
     client = _client(private_redis.url)
@@ -283,6 +313,17 @@ def test_resubmitted_ids_run_once(private_redis: PrivateRedis) -> None:
     # Then only the new ones are sent, and every id has one result
     assert second.skipped == 10
     _exactly_once(client, "again", 15)
+    # unless the user forces a re-run: then the ids run again, still one result each
+    w = fake_worker("s1", private_redis.url, delay=0.05, concurrency=4)
+    w.wait_ready(client.store.r, timeout=120)
+    try:
+        third = client.submit_many(_jobs(3), batch="again", force=True)
+        third.wait(timeout=60)
+    finally:
+        w.stop()
+    assert third.skipped == 0
+    figures = _exactly_once(client, "again", 15)
+    assert figures["deliveries_started"] == {1: 15}  # a forced re-run starts its count again
 
 
 # ------------------------------------------------------------------ bad input, real engine

@@ -1,0 +1,103 @@
+"""Prefix-aware routing and gating with two real workers (real engine, small model)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from producer import Client
+from producer.routing import rank, worker_queue
+from schemas import Envelope
+
+from .conftest import WorkerProc, make_settings, wait_for
+
+pytestmark = pytest.mark.engine
+
+Q = "vqtest-route"
+CONTEXT = (
+    "def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip(), value\n"
+) * 12  # a shared code context of a few hundred tokens
+
+
+@pytest.fixture(scope="module")
+def two_workers(redis_client: redis.Redis) -> Iterator[dict[str, WorkerProc]]:
+    ws = {n: WorkerProc(n, Q, VQUEUE_CONCURRENCY="8") for n in ("ra", "rb")}
+    try:
+        for w in ws.values():
+            w.wait_ready(redis_client)
+        yield ws
+    finally:
+        for w in ws.values():
+            w.stop()
+
+
+def _job(group: int, i: int, **extra: Any) -> dict[str, Any]:
+    return {"id": f"g{group}-{i}", "type": "codegen", "language": "python",
+            "context": f"# module {group}\n{CONTEXT}", "instruction": f"Add test {i}.",
+            "max_tokens": 8, **extra}  # fmt: skip
+
+
+def _expected_worker(job: dict[str, Any], names: list[str]) -> str:
+    env = Envelope.model_validate({"job": job, "batch": "x", "enqueued_at": 0})
+    return rank(env.prefix_key or "", names)[0]
+
+
+def test_a_prefix_group_lands_on_one_worker(two_workers: dict[str, WorkerProc]) -> None:
+    # Given two live workers, keeping up (no backlog reaches the spill depth), and 6 groups of
+    # 4 jobs sharing a code context each
+    client = Client(make_settings(Q, route_spill_depth=100))
+    jobs = [_job(g, i) for g in range(6) for i in range(4)]
+    # When they are submitted
+    results = list(client.submit_many(jobs).results(timeout=300))
+    # Then each group ran on one worker, the one its prefix key ranks first
+    names = ["ra@test", "rb@test"]
+    by_group: dict[str, set[str]] = {}
+    for r in results:
+        by_group.setdefault(r.id.split("-")[0], set()).add(r.worker or "")
+    assert all(len(ws) == 1 for ws in by_group.values()), by_group
+    for g in range(6):
+        assert by_group[f"g{g}"] == {_expected_worker(_job(g, 0), names)}
+    assert {w for ws in by_group.values() for w in ws} == set(names)  # both got keys
+    # and the siblings found the group's prefix cached
+    st = client.batch(results[0].batch).status()
+    assert st.prefix_hit_rate and st.prefix_hit_rate > 0.4, st
+
+
+def test_a_backed_up_worker_sheds_to_the_other(two_workers: dict[str, WorkerProc]) -> None:
+    # Given producers that call a worker backed up at 4 waiting jobs
+    client = Client(make_settings(Q, route_spill_depth=4))
+    # When 24 jobs of one prefix group arrive at once
+    jobs = [_job(100, i, max_tokens=24) for i in range(24)]
+    results = list(client.submit_many(jobs).results(timeout=300))
+    # Then its worker kept most, and the other took the overflow
+    workers = [r.worker for r in results]
+    home = _expected_worker(jobs[0], ["ra@test", "rb@test"])
+    assert workers.count(home) >= 4 and 0 < len(set(workers) - {home}) <= 1
+    assert len(workers) - workers.count(home) > 0
+
+
+def test_stopping_a_worker_moves_its_keys_and_loses_nothing(
+    two_workers: dict[str, WorkerProc], redis_client: redis.Redis
+) -> None:
+    # Given 20 jobs routed to rb, 12 more than it holds, so they wait in its own queue
+    client = Client(make_settings(Q, route_spill_depth=100))
+    names = ["ra@test", "rb@test"]
+    mine = [j for j in (_job(200 + g, 0, max_tokens=32) for g in range(80))
+            if _expected_worker(j, names) == "rb@test"][:20]  # fmt: skip
+    batch = client.submit_many(mine)
+    rb_queue = worker_queue(Q, "rb@test")
+    wait_for(lambda: client.queue_depth(rb_queue) > 0, 10, "rb's backlog")
+    # When rb stops (SIGTERM) with its queue not empty
+    two_workers["rb"].stop()
+    # Then its jobs all complete (the rest on ra), and its keys now route to ra
+    results = list(batch.results(timeout=300))
+    assert len(results) == len(mine) and all(r.status == "completed" for r in results)
+    assert {r.worker for r in results} == {"ra@test", "rb@test"}  # rb's backlog went to ra
+    assert client.queue_depth(rb_queue) == 0
+    wait_for(lambda: not redis_client.exists("vqtest:worker:rb@test"), 30, "rb to be gone")
+    after = Client(make_settings(Q))
+    res = list(after.submit_many([_job(200, 1)]).results(timeout=300))
+    assert res[0].worker == "ra@test"
