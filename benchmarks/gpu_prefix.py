@@ -66,7 +66,7 @@ def run_once(a: argparse.Namespace, label: str, on: bool, jobs: list[dict[str, A
         VQUEUE_HEARTBEAT_S="1",
         VQUEUE_PREFIX_GATING="true" if on else "false",
     )
-    log = open(Path(a.out) / f"prefix-worker-{label}.log", "w")  # noqa: SIM115
+    log = open(Path(a.out) / f"prefix-worker-{'on' if on else 'off'}.log", "w")  # noqa: SIM115
     argv = [sys.executable, "-m", "producer.cli", "worker", "-n", "prefix@gpu", "-l", "WARNING"]
     if shutil.which("nvidia-smi"):
         argv += ["--gpus", "0"]
