@@ -1,10 +1,11 @@
 """FAKE ENGINE, for tests that isolate queue mechanics (worker kill -9, SIGTERM drain, Redis
 restarts, dead letters), where restarting a real engine many times would only add minutes.
 
-It generates nothing: each job sleeps ``VQUEUE_TEST_FAKE_DELAY_S`` and answers a fixed text.
-A job whose text contains ``KILL-THE-WORKER`` kills the worker process (SIGKILL), to make a
-poison job. Used as ``VQUEUE_ENGINE_CLASS=tests.fake_engine:FakeEngine``; tests that use it say so.
-Every other test runs the real engine.
+It generates nothing: each job sleeps ``VQUEUE_TEST_FAKE_DELAY_S`` and answers a fixed text
+(the benchmarks' instant stub, slowed down and without importing vLLM). A job whose text contains
+``KILL-THE-WORKER`` kills the worker process (SIGKILL), to make a poison job. Used as
+``VQUEUE_ENGINE_CLASS=tests.fake_engine:FakeEngine``; tests that use it say so. Every other test
+runs the real engine.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from benchmarks.stub_engine import StubEngine
 from schemas import Settings
 from worker.engine import Generation
 from worker.metrics import EngineStats
@@ -22,8 +24,8 @@ from worker.metrics import EngineStats
 POISON = "KILL-THE-WORKER"
 
 
-class FakeEngine:
-    def __init__(self, settings: Settings) -> None:
+class FakeEngine(StubEngine):
+    def __init__(self, settings: Settings) -> None:  # no vLLM import: starts in a second
         self.settings = settings
         self.model_name = "fake"
         self.delay = float(os.environ.get("VQUEUE_TEST_FAKE_DELAY_S", "0.2"))
@@ -35,13 +37,7 @@ class FakeEngine:
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         if any(POISON in m["content"] for m in messages):
             os.kill(os.getpid(), signal.SIGKILL)
-        return [0] * max(1, sum(len(m["content"]) for m in messages) // 4)
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]  # a character a token
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(map(chr, ids))
+        return super().chat_prompt(messages)
 
     def generate(
         self, prompt_ids: list[int], params: Any, timeout_s: Any = None, prefix_key: Any = None
@@ -51,11 +47,7 @@ class FakeEngine:
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             time.sleep(self.delay)
-            return Generation("fake output", "stop", len(prompt_ids), 2, time.time())
+            return super().generate(prompt_ids, params)
         finally:
             with self._lock:
                 self.in_flight -= 1
-                self.jobs_done += 1
-
-    def close(self) -> None:
-        pass
