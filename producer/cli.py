@@ -349,8 +349,12 @@ def _batch_status(client: Any, batch: str, as_json: bool) -> str:
 
 def _fleet_status(client: Any, as_json: bool) -> str:
     """Every live worker (from its heartbeat) and the depth of every queue one consumes."""
+    from .routing import worker_queue
+
     workers = client.store.workers()
-    names = sorted({client.settings.queue, *(w.get("queue") for w in workers if w.get("queue"))})
+    shared = {client.settings.queue, *(w["queue"] for w in workers if w.get("queue"))}
+    own = {worker_queue(w["queue"], w["name"]) for w in workers if w.get("routed")}
+    names = sorted(shared | own)
     depths = {q: client.queue_depth(q) for q in names}
     if as_json:
         return json.dumps({"queues": depths, "workers": workers})

@@ -231,7 +231,7 @@ def test_status_shows_workers_queues_and_batches(client: Client) -> None:
     assert w["model"] == "smollm2-135m-instruct" and w["concurrency"] == 16
     assert w["metrics_url"].endswith("/metrics") and w["host"]
     assert {"tokens_per_s", "engine_running", "engine_waiting", "kv_cache_usage"} <= w.keys()
-    assert fleet["queues"]["vqtest-main"] == 0
+    assert fleet["queues"]["vqtest-main"] == 0 and fleet["queues"]["vqtest-main@w1@test"] == 0
     assert "w1@test" in text and "tok/s=" in text and "queue vqtest-main: 0 waiting" in text
     # and the batch its counts, rate and ETA; --watch redraws in place and ends with the batch
     assert (st["total"], st["completed"], st["remaining"]) == (1, 1, 0)
