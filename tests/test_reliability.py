@@ -518,3 +518,41 @@ def test_password_and_tls_broker(tmp_path: Path) -> None:
     finally:
         server.kill()
         server.wait(10)
+
+
+@pytest.mark.engine
+def test_engine_death_hands_jobs_back_and_exits_3(private_redis: PrivateRedis) -> None:
+    # Given a real worker generating a long job
+    import psutil
+
+    client = _client(private_redis.url)
+    w = WorkerProc("e1", "faults", VQUEUE_BROKER_URL=private_redis.url,
+                   VQUEUE_VISIBILITY_TIMEOUT_S="8", VQUEUE_JOB_TIMEOUT_S="5")  # fmt: skip
+    w.wait_ready(client.store.r)
+    job = {"id": "long", "type": "summarize", "text": "Count to a million.", "max_tokens": 1500,
+           "min_tokens": 1500, "ignore_eos": True}  # fmt: skip
+    batch = client.submit_many([job]).id
+    wait_for(lambda: client.queue_depth() + client.queue_depth("faults@e1@test") == 0, 30,
+             "the worker to take the job")  # fmt: skip
+    time.sleep(1)
+    # When vLLM's engine process dies under it
+    cores = [p for p in psutil.Process(w.proc.pid).children(recursive=True)
+             if "EngineCore" in " ".join(p.cmdline()) + p.name()]  # fmt: skip
+    assert cores, "no engine-core process found"
+    for p in cores:
+        p.kill()
+    # Then the worker exits 3 for its supervisor, and the job is handed back, unfinished
+    assert w.proc.wait(60) == 3
+    w.log.close()
+    assert "the vLLM engine died" in w.log_path.read_text()
+    assert client.store.result(batch, "long") is None
+    # (queued again, or held unacknowledged by the dead process until the visibility timeout)
+    waiting = client.queue_depth() + client.queue_depth("faults@e1@test")
+    assert waiting + client.store.r.hlen("unacked") == 1
+    # and the next worker (the fake engine: queue mechanics from here) finishes it once
+    f = fake_worker("e1", private_redis.url, delay=0.05, concurrency=2)
+    try:
+        wait_for(lambda: _done(client, batch) == 1, 60, "the job on the restarted worker")
+    finally:
+        f.stop()
+    _exactly_once(client, batch, 1)

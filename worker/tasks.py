@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from celery import Task
@@ -61,6 +62,9 @@ def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
             error=JobError(type="invalid_job", message=str(exc).splitlines()[0]),
         )
     else:
+        if _dying:  # the engine is gone and the process about to exit: hand back, uncounted
+            time.sleep(0.5)
+            raise Reject("the engine died; the job goes back to the queue", requeue=True)
         done, attempts = store().start(env.batch, env.job.id)
         if done:
             metrics.duplicate(env.job.type)
