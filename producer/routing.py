@@ -22,7 +22,7 @@ import redis
 
 from schemas import Envelope
 
-from .publish import queue_depth, queue_keys
+from .publish import PRIORITY_SEP, queue_depth, queue_keys
 
 
 def worker_queue(queue: str, worker: str) -> str:
@@ -84,11 +84,10 @@ def move_all(broker: redis.Redis, src: str, dst: str) -> int:
 
 def rescue_orphans(broker: redis.Redis, queue: str, live: set[str]) -> int:
     """Move the jobs of workers that are gone (no heartbeat) to the shared queue."""
-    moved = 0
+    own = set()  # each worker's queue once, whichever of its priority lists were found
     for key in broker.scan_iter(match=f"{queue}@*", count=1000):
         name = key.decode() if isinstance(key, bytes) else str(key)
-        base = name.split(":", 1)[0] if ":" in name.rsplit("@", 1)[-1] else name
-        worker = base[len(queue) + 1 :]
-        if worker not in live:
-            moved += move_all(broker, base, queue)
-    return moved
+        base, sep, step = name.rpartition(PRIORITY_SEP)
+        own.add(base if sep and step.isdigit() else name)
+    prefix = len(queue) + 1
+    return sum(move_all(broker, q, queue) for q in own if q[prefix:] not in live)

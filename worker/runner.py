@@ -57,6 +57,12 @@ def run_job(env: Envelope, engine: EngineHost, settings: Settings, worker: str) 
         want = job.max_tokens or settings.default_max_tokens(job.type)
         job, result.input_tokens_truncated = fit_input(job, engine, settings, want)
         prompt = engine.chat_prompt(build_messages(job, settings))
+        if isinstance(job, ChatJob):  # a conversation fits its limit or is refused, never cut
+            limit = job.max_input_tokens or settings.max_input_tokens(job.type)
+            if len(prompt) > limit:
+                raise JobFailed(
+                    "input_too_long", f"the chat is {len(prompt)} tokens; the limit is {limit}"
+                )
         room = settings.max_model_len - len(prompt)
         if room < MIN_ANSWER_TOKENS:
             raise JobFailed(
@@ -122,12 +128,9 @@ def fit_input(job: Any, engine: Any, settings: Settings, want: int) -> tuple[Any
     with ``want`` tokens left to answer. Past the type's limit, ``reject`` fails the job with
     ``input_too_long``; past the context, with ``prompt_too_long``.
     """
-    limit = job.max_input_tokens or settings.max_input_tokens(job.type)
-    if isinstance(job, ChatJob):  # a conversation is not cut: it fits or it is refused
-        n = len(engine.chat_prompt(build_messages(job, settings)))
-        if n > limit:
-            raise JobFailed("input_too_long", f"the chat is {n} tokens; the limit is {limit}")
+    if isinstance(job, ChatJob):  # never cut; run_job checks its rendered prompt's length
         return job, 0
+    limit = job.max_input_tokens or settings.max_input_tokens(job.type)
     field = DOCUMENT[job.type]
     doc = getattr(job, field) or ""
     # the answer's room, and a few tokens of slack: a cut text may re-tokenize a little longer
