@@ -21,16 +21,13 @@ import argparse
 import json
 import os
 import random
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from schemas import Settings
 
-from .gpu_suite import pct, stop
+from .gpu_suite import launch_worker, pct, stop
 from .workloads import WORDS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,20 +78,12 @@ def main() -> None:
     )
     if a.kv_cache_bytes:
         env["VQUEUE_KV_CACHE_MEMORY_BYTES"] = str(a.kv_cache_bytes)
-    log = open(out / "options-worker.log", "w")  # noqa: SIM115
-    argv = [sys.executable, "-m", "producer.cli", "worker", "-n", "opts@gpu", "-l", "INFO"]
-    if shutil.which("nvidia-smi"):
-        argv += ["--gpus", "0", "--metrics-port", "9808"]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc, log, start_s = launch_worker(
+        "opts@gpu", env, out / "options-worker.log", a.redis, "-l", "INFO", "--metrics-port", "9808"
+    )
     rows: list[dict[str, Any]] = []
     n = lambda x: max(2, int(x * a.scale))  # noqa: E731
     try:
-        while not r.exists("vqueue:worker:opts@gpu"):
-            if proc.poll() is not None or time.perf_counter() - t0 > 600:
-                raise RuntimeError(f"worker did not start (exit {proc.poll()})")
-            time.sleep(0.5)
-        start_s = time.perf_counter() - t0
         client = Client(Settings(_env_file=None, broker_url=a.redis, queue="opts"))
 
         def run(name: str, jobs: list[dict[str, Any]], one_at_a_time: bool = False) -> None:

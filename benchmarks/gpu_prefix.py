@@ -15,16 +15,13 @@ import argparse
 import json
 import os
 import random
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from schemas import CodegenJob, Settings
 
-from .gpu_suite import stop
+from .gpu_suite import launch_worker, stop
 from .workloads import WORDS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,17 +63,9 @@ def run_once(a: argparse.Namespace, label: str, on: bool, jobs: list[dict[str, A
         VQUEUE_HEARTBEAT_S="1",
         VQUEUE_PREFIX_GATING="true" if on else "false",
     )
-    log = open(Path(a.out) / f"prefix-worker-{'on' if on else 'off'}.log", "w")  # noqa: SIM115
-    argv = [sys.executable, "-m", "producer.cli", "worker", "-n", "prefix@gpu", "-l", "WARNING"]
-    if shutil.which("nvidia-smi"):
-        argv += ["--gpus", "0"]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log_path = Path(a.out) / f"prefix-worker-{'on' if on else 'off'}.log"
+    proc, log, _ = launch_worker("prefix@gpu", env, log_path, a.redis, "-l", "WARNING")
     try:
-        t0 = time.perf_counter()
-        while not r.exists("vqueue:worker:prefix@gpu"):
-            if proc.poll() is not None or time.perf_counter() - t0 > 600:
-                raise RuntimeError(f"worker did not start (exit {proc.poll()})")
-            time.sleep(0.5)
         s = Settings(_env_file=None, broker_url=a.redis, queue="prefix", prefix_routing=on)
         client = Client(s)
         warm = [{"type": "summarize", "text": "warm up", "max_tokens": 16} for _ in range(64)]

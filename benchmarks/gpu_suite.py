@@ -81,6 +81,28 @@ def stop(proc: subprocess.Popen, log: Any, timeout: float) -> None:
     log.close()
 
 
+def launch_worker(
+    name: str, env: dict[str, str], log_path: Path, redis_url: str, *extra: str
+) -> tuple[subprocess.Popen, Any, float]:
+    """A ``vqueue worker`` on GPU 0 (when there is one); returns once its heartbeat shows, with
+    its process, its log file and the seconds it took to start."""
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    log = open(log_path, "w")  # noqa: SIM115
+    argv = [sys.executable, "-m", "producer.cli", "worker", "-n", name, *extra]
+    if shutil.which("nvidia-smi"):
+        argv += ["--gpus", "0"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    while not r.exists(f"vqueue:worker:{name}"):
+        if proc.poll() is not None or time.perf_counter() - t0 > 600:
+            stop(proc, log, 30)
+            raise RuntimeError(f"worker did not start (exit {proc.poll()}); see {log_path}")
+        time.sleep(0.5)
+    return proc, log, time.perf_counter() - t0
+
+
 def pct(xs: list[float], p: float) -> float | None:
     if not xs:
         return None
