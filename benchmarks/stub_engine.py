@@ -35,7 +35,12 @@ class StubEngine:
         return "".join(map(chr, ids))
 
     def generate(
-        self, prompt_ids: list[int], params: Any, timeout_s: Any = None, prefix_key: Any = None
+        self,
+        prompt_ids: list[int],
+        params: Any,
+        timeout_s: Any = None,
+        prefix_key: Any = None,
+        monitor: Any = None,
     ) -> Generation:
         with self._lock:
             self.jobs_done += 1

@@ -5,6 +5,8 @@ from .jobs import (
     ChatJob,
     ChatMessage,
     CodegenJob,
+    EarlyStop,
+    EarlyStopOverride,
     Envelope,
     ExtractJob,
     Job,
@@ -13,17 +15,20 @@ from .jobs import (
     new_job_id,
 )
 from .openai import BatchRequestInput, output_line, rejected_line
-from .results import ERROR_TYPES, BatchStatus, JobError, JobResult, Timings, Usage
+from .results import ERROR_TYPES, Attempt, BatchStatus, JobError, JobResult, Timings, Usage
 from .settings import Settings, get_settings
 
 __all__ = [
     "ERROR_TYPES",
     "JOB_TYPES",
+    "Attempt",
     "BatchRequestInput",
     "BatchStatus",
     "ChatJob",
     "ChatMessage",
     "CodegenJob",
+    "EarlyStop",
+    "EarlyStopOverride",
     "Envelope",
     "ExtractJob",
     "Job",

@@ -36,6 +36,50 @@ class ChatMessage(BaseModel):
     content: str = Field(max_length=MAX_TEXT_CHARS)
 
 
+class EarlyStop(BaseModel):
+    """Logprob early stop (worker/confidence.py): abort a generation whose top-1 token logprob
+    stays under ``threshold`` for ``window`` consecutive tokens after the first ``grace_tokens``,
+    and run it again with changed sampling, at most ``max_retries`` times.
+
+    Retry k samples at the job's temperature times ``retry_temperature_scale**k`` with a new
+    seed; a greedy job retries at ``greedy_retry_temperature`` instead, since greedy decoding
+    would repeat the same tokens into the same abort. The last attempt (greedy when
+    ``greedy_last``) is never aborted: its output is returned, flagged ``low_confidence`` if
+    the rule held on it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    threshold: float = Field(default=-3.0, lt=0.0)
+    window: int = Field(default=2, ge=1, le=64)
+    grace_tokens: int = Field(default=4, ge=0, le=4096)
+    max_retries: int = Field(default=2, ge=0, le=5)
+    retry_temperature_scale: float = Field(default=0.5, ge=0.0, le=1.0)
+    greedy_retry_temperature: float = Field(default=0.7, gt=0.0, le=2.0)
+    greedy_last: bool = True
+
+
+class EarlyStopOverride(BaseModel):
+    """A job's changes to its type's early-stop policy; fields left out keep the type's value."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool | None = None
+    threshold: float | None = Field(default=None, lt=0.0)
+    window: int | None = Field(default=None, ge=1, le=64)
+    grace_tokens: int | None = Field(default=None, ge=0, le=4096)
+    max_retries: int | None = Field(default=None, ge=0, le=5)
+    retry_temperature_scale: float | None = Field(default=None, ge=0.0, le=1.0)
+    greedy_retry_temperature: float | None = Field(default=None, gt=0.0, le=2.0)
+    greedy_last: bool | None = None
+
+    def over(self, policy: EarlyStop) -> EarlyStop:
+        changes = self.model_dump(exclude_none=True)
+        changes.setdefault("enabled", True)  # naming any setting asks for early stop
+        return policy.model_copy(update=changes)
+
+
 class _JobBase(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
 
@@ -60,6 +104,9 @@ class _JobBase(BaseModel):
     # the document's token limit and what to do past it; None: the worker's per-type settings
     max_input_tokens: int | None = Field(default=None, ge=1)
     truncation: Literal["head", "tail", "head_tail", "reject"] | None = None
+    # logprob early stop: None: the worker's per-type policy; false: off; true: on with that
+    # policy; an object: that policy with these fields changed (EarlyStopOverride)
+    early_stop: bool | EarlyStopOverride | None = None
     # echoed back untouched on the result: the caller's own bookkeeping
     metadata: dict[str, Any] = Field(default_factory=dict)
 

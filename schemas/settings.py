@@ -10,6 +10,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .jobs import EarlyStop
+
 # What to do with a document longer than its type's input limit: keep its beginning, its end,
 # both ends (the middle goes), or fail the job with ``input_too_long``.
 Truncation = Literal["head", "tail", "head_tail", "reject"]
@@ -102,6 +104,17 @@ class Settings(BaseSettings):
     max_tokens_codegen: int = 512
     max_tokens_chat: int = 512
 
+    # -- logprob early stop (worker/confidence.py; docs/early-stop.md)
+    # load the in-engine confidence monitor; off: no job is monitored, whatever its policy
+    confidence_monitor: bool = True
+    # per-type policies, as JSON (VQUEUE_EARLY_STOP_CODEGEN='{"threshold": -4}'); a job's
+    # early_stop field overrides them. Code has legitimately uncertain names, hence a longer
+    # window there; extraction is held in shape by its grammar, so it is off unless asked for.
+    early_stop_summarize: EarlyStop = EarlyStop()
+    early_stop_extract: EarlyStop = EarlyStop(enabled=False)
+    early_stop_codegen: EarlyStop = EarlyStop(window=3, grace_tokens=8)
+    early_stop_chat: EarlyStop = EarlyStop()
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.visibility_timeout_s <= self.job_timeout_s:
@@ -137,6 +150,10 @@ class Settings(BaseSettings):
 
     def default_max_tokens(self, job_type: str) -> int:
         return int(getattr(self, f"max_tokens_{job_type}"))
+
+    def early_stop(self, job_type: str) -> EarlyStop:
+        value: EarlyStop = getattr(self, f"early_stop_{job_type}")
+        return value
 
     def system_prompt(self, job_type: str) -> str:
         return str(getattr(self, f"system_{job_type}", ""))

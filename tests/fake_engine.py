@@ -40,7 +40,12 @@ class FakeEngine(StubEngine):
         return super().chat_prompt(messages)
 
     def generate(
-        self, prompt_ids: list[int], params: Any, timeout_s: Any = None, prefix_key: Any = None
+        self,
+        prompt_ids: list[int],
+        params: Any,
+        timeout_s: Any = None,
+        prefix_key: Any = None,
+        monitor: Any = None,
     ) -> Generation:
         with self._lock:
             self.in_flight += 1

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from schemas import Settings
 
+from .confidence import ConfidenceBoard, Monitor, Reading, marker_token, request_args
 from .metrics import EngineStats
 from .models import resolve_model
 from .prompts import render
@@ -58,6 +59,8 @@ class Generation:
     completion_tokens: int
     first_token_at: float | None  # wall clock, from the engine's own request stats
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    aborted: bool = False  # the confidence monitor stopped it (logprob early stop)
+    confidence: Reading | None = None  # the monitor's numbers, when it watched this request
 
 
 class EngineHost:
@@ -86,6 +89,9 @@ class EngineHost:
         if asyncio.iscoroutine(tokenizer):  # vLLM < 0.30 made it a coroutine
             tokenizer = self._call(tokenizer)
         self.tokenizer = tokenizer
+        # logprob early stop: the monitor in the engine reports to this board (worker/confidence)
+        self.board = ConfidenceBoard() if settings.confidence_monitor else None
+        self.marker = marker_token(tokenizer) if self.board else -1
 
     async def _build(self) -> Any:
         from vllm import AsyncEngineArgs
@@ -132,8 +138,11 @@ class EngineHost:
         params: Any,
         timeout_s: float | None = None,
         prefix_key: str | None = None,
+        monitor: Monitor | None = None,
     ) -> Generation:
-        """Run one request to completion; blocks the calling (task) thread, not the engine."""
+        """Run one request to completion; blocks the calling (task) thread, not the engine.
+        With ``monitor`` (and the monitor loaded), the engine watches its confidence and, if
+        ``monitor.abort``, stops it the step the rule holds (``Generation.aborted``)."""
         started = time.monotonic()
         limit = min(timeout_s or self.settings.job_timeout_s, self.settings.job_timeout_s)
         first_of_group = self._gate(prefix_key, limit)
@@ -141,7 +150,16 @@ class EngineHost:
         with self._lock:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        coro = self._generate(prompt_ids, params, first_of_group)
+        slot = None
+        if monitor is not None and self.board is not None:
+            slot = self.board.slot()
+            params = params.clone()
+            params.extra_args = {
+                **(params.extra_args or {}),
+                **request_args(self.board, slot, monitor, self.marker),
+            }
+            params.stop_token_ids = [*(params.stop_token_ids or []), self.marker]
+        coro = self._generate(prompt_ids, params, first_of_group, slot)
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout=limit)
@@ -172,7 +190,11 @@ class EngineHost:
         return None
 
     async def _generate(
-        self, prompt_ids: list[int], params: Any, leader: threading.Event | None = None
+        self,
+        prompt_ids: list[int],
+        params: Any,
+        leader: threading.Event | None = None,
+        slot: int | None = None,
     ) -> Generation:
         # A fresh id per call: vLLM refuses a reused id, and a retry must never collide.
         request_id = uuid.uuid4().hex
@@ -202,6 +224,14 @@ class EngineHost:
         if final is None or not final.outputs:
             raise EngineError("the engine returned no output")
         choice = final.outputs[0]
+        tokens = len(choice.token_ids)
+        reading, aborted = None, False
+        if slot is not None and self.board is not None:
+            reading = await asyncio.to_thread(self.board.read, slot, tokens)
+            # the marker ends the request; without the rule firing it was the model's own token
+            aborted = choice.stop_reason == self.marker and reading.fired
+            if aborted:
+                tokens -= 1
         first = None
         stats = getattr(final, "metrics", None)
         if stats is not None and getattr(stats, "first_token_latency", None):
@@ -210,15 +240,19 @@ class EngineHost:
             text=choice.text,
             finish_reason=choice.finish_reason,
             prompt_tokens=len(final.prompt_token_ids or prompt_ids),
-            completion_tokens=len(choice.token_ids),
+            completion_tokens=tokens,
             first_token_at=first,
             cached_tokens=int(getattr(final, "num_cached_tokens", 0) or 0),
+            aborted=aborted,
+            confidence=reading,
         )
 
     def close(self) -> None:
         try:
             self.engine.shutdown()
         finally:
+            if self.board is not None:
+                self.board.close()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
 
@@ -246,6 +280,8 @@ def engine_kwargs(s: Settings, model_path: str) -> dict[str, Any]:
             disable_any_whitespace=True,
         ),
     )
+    if s.confidence_monitor:  # logprob early stop's monitor, inside the engine step
+        kwargs["logits_processors"] = ["worker.confidence:ConfidenceMonitor"]
     if s.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
     if s.quantization:

@@ -7,14 +7,17 @@ a broken engine or lost Redis escapes as an exception (and then the task is rede
 from __future__ import annotations
 
 import json
+import random
 import time
 from typing import Any
 
 import jsonschema
 
 from schemas import (
+    Attempt,
     ChatJob,
     CodegenJob,
+    EarlyStop,
     Envelope,
     JobError,
     JobResult,
@@ -23,7 +26,8 @@ from schemas import (
     Usage,
 )
 
-from .engine import EngineError, EngineHost, JobTimeout
+from .confidence import Monitor
+from .engine import EngineError, EngineHost, Generation, JobTimeout
 from .prompts import build_messages, clean, extract_code
 
 # Below this many tokens of room an answer is useless; refuse rather than return a stub.
@@ -71,14 +75,14 @@ def run_job(env: Envelope, engine: EngineHost, settings: Settings, worker: str) 
                 f"{settings.max_model_len} and the answer needs at least {MIN_ANSWER_TOKENS}",
             )
         max_tokens = min(want, room)
-        params = sampling_params(job, max_tokens)
-        gen = engine.generate(prompt, params, job.timeout_s, env.prefix_key)
+        gen = generate(job, engine, settings, prompt, max_tokens, env.prefix_key, result)
         result.text = gen.text
         result.finish_reason = gen.finish_reason
         result.usage = Usage(
             prompt_tokens=gen.prompt_tokens,
             completion_tokens=gen.completion_tokens,
             cached_tokens=gen.cached_tokens,
+            wasted_tokens=sum(a.tokens for a in result.attempts if a.reason == "low_confidence"),
         )
         result.timings.first_token_at = gen.first_token_at
         _read_output(job, gen.text, gen.finish_reason, result)
@@ -93,6 +97,81 @@ def run_job(env: Envelope, engine: EngineHost, settings: Settings, worker: str) 
         result.error = JobError(type="timeout", message=str(exc))
     result.timings.finished_at = time.time()
     return result
+
+
+def early_stop_policy(job: Any, settings: Settings) -> EarlyStop | None:
+    """The job's early-stop policy: its type's, changed by the job's ``early_stop``; None when
+    off (by either, or because the worker runs without the monitor)."""
+    if not settings.confidence_monitor or job.early_stop is False:
+        return None
+    policy = settings.early_stop(job.type)
+    if job.early_stop is True:
+        policy = policy.model_copy(update={"enabled": True})
+    elif job.early_stop is not None:
+        policy = job.early_stop.over(policy)
+    return policy if policy.enabled else None
+
+
+def generate(
+    job: Any,
+    engine: EngineHost,
+    settings: Settings,
+    prompt: list[int],
+    max_tokens: int,
+    prefix_key: str | None,
+    result: JobResult,
+) -> Generation:
+    """Generate the job's answer; under early stop, attempt after attempt until one is not
+    aborted, each recorded in ``result.attempts``. The job's timeout covers all of them."""
+    policy = early_stop_policy(job, settings)
+    if policy is None:
+        return engine.generate(prompt, sampling_params(job, max_tokens), job.timeout_s, prefix_key)
+    deadline = time.monotonic() + min(
+        job.timeout_s or settings.job_timeout_s, settings.job_timeout_s
+    )
+    last = policy.max_retries
+    for k in range(last + 1):
+        temperature, seed = retry_sampling(job, policy, k)
+        # vLLM does not stop a request short of min_tokens: no abort before them either
+        grace = max(policy.grace_tokens, job.min_tokens)
+        monitor = Monitor(policy.threshold, policy.window, grace, abort=k < last)
+        params = sampling_params(job, max_tokens, temperature, seed)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise JobTimeout("the job's time ran out between early-stop attempts")
+        gen = engine.generate(prompt, params, left, prefix_key if k == 0 else None, monitor)
+        reading = gen.confidence
+        result.attempts.append(
+            Attempt(
+                n=k + 1,
+                reason="low_confidence" if gen.aborted else gen.finish_reason,
+                tokens=gen.completion_tokens,
+                min_logprob=reading.min_logprob if reading else None,
+                mean_logprob=reading.mean_logprob if reading else None,
+                temperature=temperature,
+                seed=seed,
+                low_confidence=bool(reading and reading.fired),
+            )
+        )
+        if not gen.aborted:
+            result.low_confidence = result.attempts[-1].low_confidence
+            return gen
+    raise AssertionError("the last attempt is never aborted")  # pragma: no cover
+
+
+def retry_sampling(job: Any, policy: EarlyStop, k: int) -> tuple[float, int | None]:
+    """Temperature and seed of attempt ``k`` (0: the job's own). Retries take a new seed (the
+    job's seed plus k when it set one, so a rerun repeats them) and a lower temperature; a
+    greedy job's retries sample, since greedy would walk into the same abort; the last attempt
+    is greedy when ``greedy_last``."""
+    if k == 0:
+        return job.temperature, job.seed
+    seed = job.seed + k if job.seed is not None else random.randrange(2**31)
+    if k == policy.max_retries and policy.greedy_last:
+        return 0.0, seed
+    if job.temperature > 0:
+        return job.temperature * policy.retry_temperature_scale**k, seed
+    return policy.greedy_retry_temperature, seed
 
 
 def clean_job(job: Any) -> tuple[Any, int]:
@@ -167,7 +246,9 @@ def fit_input(job: Any, engine: Any, settings: Settings, want: int) -> tuple[Any
     return job.model_copy(update={field: text}), len(ids) - keep
 
 
-def sampling_params(job: Any, max_tokens: int) -> Any:
+def sampling_params(
+    job: Any, max_tokens: int, temperature: float | None = None, seed: int | None = None
+) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -179,9 +260,9 @@ def sampling_params(job: Any, max_tokens: int) -> Any:
         structured = StructuredOutputsParams(json_object=True)
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=job.temperature,
+        temperature=job.temperature if temperature is None else temperature,
         top_p=job.top_p,
-        seed=job.seed,
+        seed=job.seed if seed is None else seed,
         stop=job.stop or None,
         min_tokens=min(job.min_tokens, max_tokens),
         ignore_eos=job.ignore_eos,
