@@ -104,6 +104,9 @@ return wait
 """
 
 
+POOL_CONNECTIONS = 64  # per process; threads beyond it queue for a connection
+
+
 def _retrying_client(url: str, retry_s: float) -> redis.Redis:
     """A client that rides out a Redis restart (AOF reload included) for about ``retry_s``."""
     from redis.backoff import ExponentialBackoff
@@ -112,14 +115,20 @@ def _retrying_client(url: str, retry_s: float) -> redis.Redis:
 
     cap = 2.0
     retries = max(1, int(retry_s / cap) + 4)
-    return redis.Redis.from_url(
+    # A blocking pool: when every connection is busy a thread waits for one. redis-py 8 caps a
+    # plain pool at 100 connections and raises past it, which failed results in a worker
+    # running 512 jobs at once.
+    pool = redis.BlockingConnectionPool.from_url(
         url,
+        max_connections=POOL_CONNECTIONS,
+        timeout=max(retry_s, 5.0),
         decode_responses=True,
         health_check_interval=30,
         socket_keepalive=True,
         retry=Retry(ExponentialBackoff(cap=cap, base=0.05), retries),
         retry_on_error=[BusyLoadingError, ConnectionError, TimeoutError],
     )
+    return redis.Redis(connection_pool=pool)
 
 
 class BatchStore:

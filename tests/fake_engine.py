@@ -51,7 +51,9 @@ class FakeEngine(StubEngine):
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            time.sleep(self.delay)
+            # finish on the next multiple of the delay: jobs started together end together, the
+            # way a continuous batch hands back many outputs in one engine step
+            time.sleep(self.delay - time.time() % self.delay)
             return super().generate(prompt_ids, params)
         finally:
             with self._lock:

@@ -145,6 +145,23 @@ def test_kill_9_mid_batch_then_restart(private_redis: PrivateRedis) -> None:
     _report("kill -9 mid-batch", {"jobs": 200, "results_at_kill": at_kill, **figures})
 
 
+def test_hundreds_of_jobs_finishing_at_once(private_redis: PrivateRedis) -> None:
+    # Given a worker holding 400 jobs at once (the default holds 512), all finishing together
+    client = _client(private_redis.url)
+    w = fake_worker("wide", private_redis.url, delay=2.0, concurrency=400)
+    try:
+        w.wait_ready(client.store.r, timeout=120)
+        batch = client.submit_many(_jobs(400, "w")).id
+        # Then every result is stored, once: the worker's Redis clients wait for a connection
+        # rather than fail (redis-py 8 caps a plain pool at 100 and raised past it)
+        wait_for(lambda: _done(client, batch) >= 400, 120, "all 400 results")
+        figures = _exactly_once(client, batch, 400)
+    finally:
+        w.stop()
+    assert "MaxConnectionsError" not in w.log_path.read_text()
+    _report("400 jobs finishing at once", {"jobs": 400, **figures})
+
+
 def test_redis_restart_mid_batch(private_redis: PrivateRedis, tmp_path: Path) -> None:
     # Given a worker and a producer waiting on a 200-job batch
     client = _client(private_redis.url)

@@ -24,6 +24,7 @@ sampler's doing, not the model's, and it is only known after sampling, outside t
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import tempfile
@@ -35,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+log = logging.getLogger(__name__)
 # extra_args key that carries a request's monitor settings into the engine
 KEY = "vqueue_confidence"
 # one row per attempt slot: tokens seen, sum of top-1 logprobs, min, fired (0/1)
@@ -181,7 +183,21 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
         self.active = 0
         self.changed = False
         self.maps: dict[int, Any] = {}
+        self._no_fresh = torch.zeros(rows, dtype=torch.bool, device=device)
         self.cuda = getattr(device, "type", str(device)) == "cuda"
+        self._step = _step
+        if self.cuda:
+            # one fused kernel for the vocabulary reductions and the counters, instead of a
+            # dozen passes and launches; compiled here, at engine start, not on a job's step
+            try:
+                compiled = torch.compile(_step, dynamic=True, fullgraph=True)
+                vocab = vllm_config.model_config.get_vocab_size()
+                for b in (2, 3):  # the second shape settles the dynamic batch dimension
+                    probe = torch.zeros((b, vocab), device=device)
+                    compiled(probe, self.state[:b], self.d_settings[:b], self._no_fresh[:b])
+                self._step = compiled
+            except Exception as exc:  # eager is correct, only slower
+                log.warning("confidence monitor: torch.compile failed (%s); running eager", exc)
         if self.cuda:  # host copies land in pinned buffers, written out by a thread
             self.pending: queue.Queue[Any] = queue.Queue(maxsize=64)
             threading.Thread(target=self._writer, name="vqueue-confidence", daemon=True).start()
@@ -283,7 +299,7 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
         b = logits.shape[0]
         # a row with no output token yet is prefilling (perhaps one chunk of several): whatever
         # it computed so far is discarded, so its counters restart until the first token
-        fresh = None
+        fresh = self._no_fresh[:b]
         if self.prefilling:
             started = [i for i in self.prefilling if self.outputs[i]]
             self.prefilling.difference_update(started)
@@ -291,32 +307,17 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
                 mask = torch.zeros(self.rows, dtype=torch.bool)
                 mask[list(self.prefilling)] = True
                 fresh = self._to_device(mask)[:b]
-        cfg = self.d_settings[:b]
-        st = self.state[:b]
         x = logits[:b]
-        top1 = x.max(dim=-1).values - torch.logsumexp(x, dim=-1)
-        if fresh is not None:
-            st.masked_fill_(fresh.unsqueeze(1), 0.0)
-        n, streak = st[:, self.N], st[:, self.STREAK]
-        st[:, self.MIN] = torch.where(n == 0, top1, torch.minimum(st[:, self.MIN], top1))
-        st[:, self.SUM] += top1
-        n += 1.0
-        st[:, self.STREAK] = torch.where(top1 < cfg[:, self.THRESHOLD], streak + 1.0, 0.0)
-        hit = (
-            (cfg[:, self.ON] > 0)
-            & (st[:, self.STREAK] >= cfg[:, self.WINDOW])
-            & (n > cfg[:, self.GRACE])
-        )
-        st[:, self.FIRED] = torch.maximum(st[:, self.FIRED], hit.float())
+        st, force = self._step(x, self.state[:b], self.d_settings[:b], fresh)
+        self.state[:b] = st
         # the marker outweighs every other token by far, so greedy, sampling, top-p and
         # penalties all pick it; one scatter, not a pass over the whole vocabulary
-        force = hit & (cfg[:, self.ABORT] > 0)
-        marker = cfg[:, self.MARKER].long().unsqueeze(1)
+        marker = self.d_settings[:b, self.MARKER].long().unsqueeze(1)
         keep = x.gather(1, marker)
         x.scatter_(1, marker, torch.where(force.unsqueeze(1), torch.full_like(keep, 1e9), keep))
         rows = np.nonzero(self.slots[:b] >= 0)[0]
         slots, files = self.slots[rows], self.file_ids[rows]
-        table = st[:, : self.FIRED + 1]
+        table = st
         if self.cuda:
             host = torch.empty(table.shape, dtype=torch.float32, pin_memory=self.pin)
             host.copy_(table, non_blocking=True)
@@ -344,3 +345,24 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
                     continue  # the worker is gone; nothing to report to
             sel = files == f
             mm[slots[sel]] = values[sel]
+
+
+def _step(x: Any, st: Any, cfg: Any, fresh: Any) -> tuple[Any, Any]:
+    """One step of the rule for every row: the new counters, and which rows to abort now.
+
+    ``st`` columns: tokens seen, sum of top-1 logprobs, min, low streak, fired; ``cfg``: on,
+    threshold, window, grace, abort, marker. A ``fresh`` row (no output token yet) restarts.
+    """
+    import torch
+
+    m = x.amax(dim=-1)
+    top1 = -torch.log(torch.exp(x - m.unsqueeze(1)).sum(dim=-1))  # max - logsumexp
+    st = torch.where(fresh.unsqueeze(1), torch.zeros_like(st), st)
+    n, total, low, streak, fired = st.unbind(1)
+    low = torch.where(n == 0, top1, torch.minimum(low, top1))
+    total = total + top1
+    n = n + 1.0
+    streak = torch.where(top1 < cfg[:, 1], streak + 1.0, torch.zeros_like(streak))
+    hit = (cfg[:, 0] > 0) & (streak >= cfg[:, 2]) & (n > cfg[:, 3])
+    fired = torch.maximum(fired, hit.float())
+    return torch.stack([n, total, low, streak, fired], dim=1), hit & (cfg[:, 4] > 0)

@@ -16,6 +16,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Reject
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
 from producer.publish import task_name
 from schemas import JOB_TYPES, Envelope, JobError, JobResult, Timings
@@ -41,7 +42,14 @@ def store() -> Any:
 
 def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
     with metrics.IN_FLIGHT.track_inprogress():
-        return _run(task, payload)
+        try:
+            return _run(task, payload)
+        except RedisError as exc:
+            # Redis stayed away past the client's retries. Acknowledging would drop the job
+            # (a failing task is acked): hand it back instead; its result, if it was stored
+            # after all, makes the redelivery a lookup.
+            log.error("job not recorded (%s: %s); back to the queue", type(exc).__name__, exc)
+            raise Reject(f"{type(exc).__name__}: {exc}", requeue=True) from None
 
 
 def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
