@@ -192,7 +192,7 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
             try:
                 compiled = torch.compile(_step, dynamic=True, fullgraph=True)
                 vocab = vllm_config.model_config.get_vocab_size()
-                for b in (2, 3):  # the second shape settles the dynamic batch dimension
+                for b in (1, 2, 3):  # 1 is specialized; 3 settles the dynamic batch size
                     probe = torch.zeros((b, vocab), device=device)
                     compiled(probe, self.state[:b], self.d_settings[:b], self._no_fresh[:b])
                 self._step = compiled
@@ -308,7 +308,14 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
                 mask[list(self.prefilling)] = True
                 fresh = self._to_device(mask)[:b]
         x = logits[:b]
-        st, force = self._step(x, self.state[:b], self.d_settings[:b], fresh)
+        try:
+            st, force = self._step(x, self.state[:b], self.d_settings[:b], fresh)
+        except Exception as exc:  # a recompile gone wrong must not take the engine down
+            if self._step is _step:
+                raise
+            log.warning("confidence monitor: compiled step failed (%s); running eager", exc)
+            self._step = _step
+            st, force = _step(x, self.state[:b], self.d_settings[:b], fresh)
         self.state[:b] = st
         # the marker outweighs every other token by far, so greedy, sampling, top-p and
         # penalties all pick it; one scatter, not a pass over the whole vocabulary
