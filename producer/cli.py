@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import IO, Any, BinaryIO, NoReturn
 
 import click
@@ -197,6 +198,15 @@ def submit(
                     if errors_out:
                         line = rejected_line(p.custom_id, p.line, p.error)
                         errors_out.write(json.dumps(line) + "\n")
+                    continue
+                name = getattr(p.job, "template", None)
+                if name is not None and not client.template_known(name):
+                    rejected += 1
+                    error = f"unknown template {name!r} (see 'vqueue templates list')"
+                    if rejected <= MAX_ECHOED_ERRORS:
+                        bar.write(f"line {p.line}: {error}", file=sys.stderr)
+                    if errors_out:
+                        errors_out.write(json.dumps(rejected_line(p.job.id, p.line, error)) + "\n")
                     continue
                 good += 1
                 yield Envelope(
@@ -493,6 +503,92 @@ def dlq_requeue(obj: Ctx, task_ids: tuple[str, ...], everything: bool, batch: st
     click.echo(f"{len(ids) - len(missing)} job(s) requeued", err=True)
     if missing:
         fail(f"no dead letter {', '.join(map(repr, missing))}", RET_NOT_FOUND)
+
+
+# -------------------------------------------------------------------------------- templates
+@cli.group()
+def templates() -> None:
+    """Extraction templates: an instruction, a schema and worked examples an extract job names
+    with "template" (schemas/templates.py has the built-in ones)."""
+
+
+@templates.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.pass_obj
+def templates_list(obj: Ctx, as_json: bool) -> None:
+    """Built-in and registered templates: name, where from, examples, description."""
+    from schemas.templates import BUILTIN
+
+    rows = [(t, "built-in") for t in BUILTIN.values()]
+    rows += [(t, "registered") for t in obj.client.store.templates()]
+    for t, origin in rows:
+        if as_json:
+            click.echo(
+                json.dumps(
+                    {
+                        "name": t.name,
+                        "origin": origin,
+                        "examples": len(t.examples),
+                        "description": t.description,
+                    }
+                )
+            )
+        else:
+            click.echo(f"{t.name:<20} {origin:<10} {len(t.examples)} examples  {t.description}")
+    # fmt: skip
+
+
+@templates.command("show")
+@click.argument("name")
+@click.pass_obj
+def templates_show(obj: Ctx, name: str) -> None:
+    """One template in full (JSON), as `add` takes it."""
+    from schemas.templates import BUILTIN
+
+    t = BUILTIN.get(name) or obj.client.store.template(name)
+    if t is None:
+        fail(f"no template {name!r} (see 'vqueue templates list')", RET_NOT_FOUND)
+    click.echo(t.model_dump_json(indent=2))
+
+
+@templates.command("add")
+@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@click.pass_obj
+def templates_add(obj: Ctx, file: str) -> None:
+    """Register the template(s) in FILE (a JSON object, or a list of them) for every worker.
+    A registered name replaces an earlier one; built-in names cannot be taken."""
+    from schemas.templates import BUILTIN, Template
+
+    try:
+        raw = json.loads(sys.stdin.read() if file == "-" else Path(file).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        fail(f"cannot read {file}: {exc}", RET_INPUT)
+    items = raw if isinstance(raw, list) else [raw]
+    parsed = []
+    for i, item in enumerate(items):
+        try:
+            t = Template.model_validate(item)
+        except ValidationError as exc:
+            from .inputs import describe
+
+            fail(f"{file}: template {i + 1}: {describe(exc)}", RET_INPUT)
+        if t.name in BUILTIN:
+            fail(f"{file}: {t.name!r} is a built-in template; choose another name", RET_INPUT)
+        parsed.append(t)
+    for t in parsed:
+        obj.client.store.add_template(t)
+    click.echo(
+        f"{len(parsed)} template(s) registered: {', '.join(t.name for t in parsed)}", err=True
+    )
+
+
+@templates.command("remove")
+@click.argument("name")
+@click.pass_obj
+def templates_remove(obj: Ctx, name: str) -> None:
+    """Unregister a template; jobs that name it then fail with unknown_template."""
+    if not obj.client.store.remove_template(name):
+        fail(f"no registered template {name!r}", RET_NOT_FOUND)
 
 
 # ------------------------------------------------------------------------------------- ping

@@ -127,6 +127,7 @@ class Client:
         self._told = ""
         s = self.settings
         self.store = BatchStore.from_settings(s)
+        self._templates_seen: set[str] = set()
         # jobs go to the broker; batches and results live in the result backend (often the same)
         same = s.broker_url == s.backend_url()
         self.broker = (
@@ -192,7 +193,21 @@ class Client:
         if isinstance(item, Envelope):
             return item
         job = item if not isinstance(item, dict) else _job_adapter.validate_python(item)
+        name = getattr(job, "template", None)
+        if name is not None and not self.template_known(name):
+            raise ValueError(f"job {job.id}: unknown template {name!r} (`vqueue templates list`)")
         return Envelope(job=job, batch=batch_id, enqueued_at=time.time())
+
+    def template_known(self, name: str) -> bool:
+        """A built-in or registered extraction template (looked up once per name)."""
+        from schemas.templates import BUILTIN
+
+        if name in BUILTIN or name in self._templates_seen:
+            return True
+        if self.store.template(name) is None:
+            return False
+        self._templates_seen.add(name)
+        return True
 
     def _publish(self, envelopes: list[Envelope], batch_id: str, force: bool = False) -> int:
         """Claim, then send, one chunk (a round trip each); returns how many were skipped

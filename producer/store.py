@@ -26,6 +26,7 @@ from typing import Any
 import redis
 
 from schemas import BatchStatus, JobResult, Settings
+from schemas.templates import Template
 
 # KEYS: batch hash, done hash, results stream. ARGV: job id, result json, status field, ttl,
 # now, prompt tokens, prompt tokens served from the prefix cache.
@@ -152,6 +153,21 @@ class BatchStore:
     @classmethod
     def from_settings(cls, s: Settings) -> BatchStore:
         return cls.from_url(s.backend_url(), s.key_prefix, s.result_ttl_s, s.redis_retry_s)
+
+    # -- extraction templates users register (schemas/templates.py has the built-in ones)
+    def add_template(self, template: Template) -> None:
+        self.r.hset(f"{self.prefix}:templates", template.name, template.model_dump_json())
+
+    def template(self, name: str) -> Template | None:
+        raw = self.r.hget(f"{self.prefix}:templates", name)
+        return Template.model_validate_json(raw) if raw else None
+
+    def templates(self) -> list[Template]:
+        raw = self.r.hgetall(f"{self.prefix}:templates")
+        return [Template.model_validate_json(v) for _, v in sorted(raw.items())]
+
+    def remove_template(self, name: str) -> bool:
+        return bool(self.r.hdel(f"{self.prefix}:templates", name))
 
     def key(self, batch: str, part: str = "") -> str:
         return f"{self.prefix}:batch:{batch}" + (f":{part}" if part else "")

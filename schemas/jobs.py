@@ -21,6 +21,7 @@ MAX_TEXT_CHARS = 1_000_000  # ~250k tokens: larger than any context we serve, st
 MAX_SCHEMA_CHARS = 64_000  # a JSON Schema this large is a mistake, and compiling it is costly
 MAX_SCHEMA_DEPTH = 32  # grammar compilation recurses; deeper schemas are rejected at submit
 MAX_OUTPUT_TOKENS = 32_768  # above any max_model_len we configure by default
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"  # extraction template names
 
 
 def new_job_id() -> str:
@@ -135,7 +136,29 @@ def _schema_problem(text: str) -> str | None:
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
         return f"json_schema is not a valid JSON Schema at {where}: {exc.message}"
-    return None
+    return _grammar_problem(text)
+
+
+def _grammar_problem(text: str) -> str | None:
+    """What guided decoding (llguidance, the workers' default backend) cannot enforce: keywords
+    it does not implement (``not``, ``if``/``then``, ``uniqueItems``, ...), unknown string
+    formats, look-around in patterns, remote ``$ref``. Refused here rather than failing, or
+    worse, silently unenforced, in the worker."""
+    try:
+        import llguidance
+    except ImportError:  # a producer-only install: the worker checks again
+        return None
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            text, defaults={"whitespace_flexible": False}
+        )
+        error = llguidance.LLMatcher.validate_grammar(grammar, None)
+    except Exception as exc:  # noqa: BLE001  # llguidance's own parse errors
+        error = str(exc)
+    if not error:
+        return None
+    first = str(error).strip().splitlines()
+    return f"json_schema cannot be enforced by guided decoding: {' '.join(first)[:300]}"
 
 
 def _depth(node: Any, level: int = 0) -> int:
@@ -163,11 +186,21 @@ class ExtractJob(_JobBase):
 
     type: Literal["extract"]
     text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
-    json_schema: dict[str, Any]
+    # the JSON Schema the output must satisfy; may be left out when ``template`` brings one
+    json_schema: dict[str, Any] | None = None
     # what to extract, in words; the schema alone is often enough
     instruction: str | None = Field(default=None, max_length=4000)
+    # a named extraction template (schemas/templates.py; `vqueue templates list`): its worked
+    # examples go into the prompt, and its instruction and schema stand in for missing ones
+    template: str | None = Field(default=None, pattern=NAME_PATTERN)
 
-    _schema_ok = field_validator("json_schema")(_check_json_schema)
+    _schema_ok = field_validator("json_schema")(lambda v: v if v is None else _check_json_schema(v))
+
+    @model_validator(mode="after")
+    def _needs_schema(self) -> ExtractJob:
+        if self.json_schema is None and self.template is None:
+            raise ValueError("an extract job needs a json_schema or a template")
+        return self
 
 
 class CodegenJob(_JobBase):
@@ -208,7 +241,8 @@ def prefix_key(job: SummarizeJob | ExtractJob | CodegenJob | ChatJob) -> str:
     if isinstance(job, SummarizeJob):
         parts: list[Any] = [job.type, job.system, job.max_words, job.style]
     elif isinstance(job, ExtractJob):
-        parts = [job.type, job.system, job.instruction, _schema_text(job.json_schema)]
+        schema = _schema_text(job.json_schema) if job.json_schema is not None else None
+        parts = [job.type, job.system, job.template, job.instruction, schema]
     elif isinstance(job, CodegenJob):
         parts = [job.type, job.system, job.language, job.context]
     else:  # everything before the last message

@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     # guided decoding backend: llguidance covers the widest JSON Schema subset and compiles
     # grammars lazily; "xgrammar" is the alternative
     structured_outputs_backend: str = "guidance"
+    # each distinct JSON Schema is compiled once by the worker, bounded by this; a schema that
+    # takes longer fails its jobs with schema_compile_timeout (worker/structured.py)
+    schema_compile_timeout_s: float = Field(default=10.0, gt=0)
 
     # -- worker process
     # import path of the engine host; benchmarks/stub_engine.py swaps in an instant stub to

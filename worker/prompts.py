@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from schemas import ChatJob, CodegenJob, ExtractJob, Settings, SummarizeJob
@@ -17,10 +18,16 @@ Messages = list[dict[str, str]]
 
 
 def build_messages(
-    job: SummarizeJob | ExtractJob | CodegenJob | ChatJob, settings: Settings
+    job: SummarizeJob | ExtractJob | CodegenJob | ChatJob,
+    settings: Settings,
+    examples: Sequence[Any] = (),
 ) -> Messages:
     """The chat for ``job``: a system turn (the job's own ``system``, else the per-type
-    setting; "" leaves it empty), then one user turn that puts what jobs share first."""
+    setting; "" leaves it empty), then one user turn that puts what jobs share first.
+
+    An extract job's template ``examples`` (text, output) come first as finished exchanges:
+    the instruction and schema open the first, each later turn is only "Text: ...", and the
+    job's own text is the last such turn. All of it but that last turn is a shared prefix."""
     if isinstance(job, ChatJob):
         messages = [m.model_dump() for m in job.messages]
         if job.system and messages[0]["role"] != "system":
@@ -38,7 +45,18 @@ def build_messages(
         # fills the values far better when it can read the field names and descriptions.
         ask = job.instruction or "Extract the information described by this JSON Schema."
         schema = json.dumps(job.json_schema, separators=(",", ":"))
-        user = f"{ask}\nJSON Schema: {schema}\n\nText:\n{job.text}"
+        head = f"{ask}\nJSON Schema: {schema}\n\n"
+        if examples:
+            turns: Messages = []
+            for i, ex in enumerate(examples):
+                turns.append(
+                    {"role": "user", "content": f"{head if i == 0 else ''}Text:\n{ex.text}"}
+                )
+                turns.append({"role": "assistant", "content": json.dumps(ex.output)})
+            system = job.system if job.system is not None else settings.system_prompt(job.type)
+            return [{"role": "system", "content": system}, *turns,
+                    {"role": "user", "content": f"Text:\n{job.text}"}]  # fmt: skip
+        user = f"{head}Text:\n{job.text}"
     else:
         # shared code context first, so jobs about the same code share its prefix
         user = f"Existing code:\n```{job.language}\n{job.context}\n```\n\n" if job.context else ""

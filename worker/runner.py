@@ -19,6 +19,7 @@ from schemas import (
     CodegenJob,
     EarlyStop,
     Envelope,
+    ExtractJob,
     JobError,
     JobResult,
     Settings,
@@ -29,6 +30,14 @@ from schemas import (
 from .confidence import Monitor
 from .engine import EngineError, EngineHost, Generation, JobTimeout
 from .prompts import build_messages, clean, extract_code
+from .structured import (
+    GrammarCheck,
+    SchemaRefused,
+    Templates,
+    apply_template,
+    generation_schema,
+    schema_token_budget,
+)
 
 # Below this many tokens of room an answer is useless; refuse rather than return a stub.
 MIN_ANSWER_TOKENS = 16
@@ -40,7 +49,13 @@ class JobFailed(Exception):
         self.type, self.message = type_, message
 
 
-def run_job(env: Envelope, engine: EngineHost, settings: Settings, worker: str) -> JobResult:
+def run_job(
+    env: Envelope,
+    engine: EngineHost,
+    settings: Settings,
+    worker: str,
+    templates: Templates | None = None,
+) -> JobResult:
     job = env.job
     started = time.time()
     result = JobResult(
@@ -58,9 +73,19 @@ def run_job(env: Envelope, engine: EngineHost, settings: Settings, worker: str) 
     try:
         if settings.clean_input:
             job, result.input_chars_cleaned = clean_job(job)
-        want = job.max_tokens or settings.default_max_tokens(job.type)
+        examples: list[Any] = []
+        if isinstance(job, ExtractJob):
+            job, examples = apply_template(job, templates)
+        schema = _schema_of(job)
+        if schema is not None and _grammar_checked(engine, settings):
+            _grammar_check(engine, settings).check(generation_schema(schema))
+        want = job.max_tokens or (
+            schema_token_budget(schema, settings.default_max_tokens(job.type))
+            if schema is not None
+            else settings.default_max_tokens(job.type)
+        )
         job, result.input_tokens_truncated = fit_input(job, engine, settings, want)
-        prompt = engine.chat_prompt(build_messages(job, settings))
+        prompt = engine.chat_prompt(build_messages(job, settings, examples))
         if isinstance(job, ChatJob):  # a conversation fits its limit or is refused, never cut
             limit = job.max_input_tokens or settings.max_input_tokens(job.type)
             if len(prompt) > limit:
@@ -76,17 +101,24 @@ def run_job(env: Envelope, engine: EngineHost, settings: Settings, worker: str) 
             )
         max_tokens = min(want, room)
         gen = generate(job, engine, settings, prompt, max_tokens, env.prefix_key, result)
+        cut = 0
+        if _wants_json(job) and gen.finish_reason == "length" and room > max_tokens:
+            # JSON cut off: once more with twice the room; what the first run wrote is lost
+            cut = gen.completion_tokens
+            max_tokens = min(2 * max_tokens, room)
+            gen = generate(job, engine, settings, prompt, max_tokens, None, result)
         result.text = gen.text
         result.finish_reason = gen.finish_reason
         result.usage = Usage(
             prompt_tokens=gen.prompt_tokens,
             completion_tokens=gen.completion_tokens,
             cached_tokens=gen.cached_tokens,
-            wasted_tokens=sum(a.tokens for a in result.attempts if a.reason == "low_confidence"),
+            wasted_tokens=cut
+            + sum(a.tokens for a in result.attempts if a.reason == "low_confidence"),
         )
         result.timings.first_token_at = gen.first_token_at
-        _read_output(job, gen.text, gen.finish_reason, result)
-    except JobFailed as exc:
+        _read_output(job, gen.text, gen.finish_reason, result, max_tokens, cut)
+    except (JobFailed, SchemaRefused) as exc:
         result.status = "failed"
         result.error = JobError(type=exc.type, message=exc.message)
     except EngineError as exc:
@@ -255,7 +287,7 @@ def sampling_params(
     structured = None
     schema = _schema_of(job)
     if schema is not None:
-        structured = StructuredOutputsParams(json=schema)
+        structured = StructuredOutputsParams(json=generation_schema(schema))
     elif isinstance(job, ChatJob) and job.json_object:
         structured = StructuredOutputsParams(json_object=True)
     return SamplingParams(
@@ -278,7 +310,38 @@ def _schema_of(job: Any) -> dict[str, Any] | None:
     return schema
 
 
-def _read_output(job: Any, text: str, finish_reason: str | None, result: JobResult) -> None:
+def _wants_json(job: Any) -> bool:
+    return _schema_of(job) is not None or (isinstance(job, ChatJob) and job.json_object)
+
+
+_grammar: GrammarCheck | None = None
+
+
+def _grammar_checked(engine: Any, settings: Settings) -> bool:
+    """The worker's own compilation is llguidance's, which is what the guidance backend runs."""
+    return settings.structured_outputs_backend == "guidance" and hasattr(engine, "tokenizer")
+
+
+def _grammar_check(engine: Any, settings: Settings) -> GrammarCheck:
+    """One per worker, on the engine's tokenizer (the first extract job builds it)."""
+    global _grammar
+    if _grammar is None:
+        _grammar = GrammarCheck(
+            getattr(engine, "tokenizer", None), settings.schema_compile_timeout_s
+        )
+    return _grammar
+
+
+def _read_output(
+    job: Any,
+    text: str,
+    finish_reason: str | None,
+    result: JobResult,
+    max_tokens: int = 0,
+    cut: int = 0,
+) -> None:
+    """Check the output against what the job asked for; a failure keeps ``result.text`` (the
+    partial or invalid output) for the caller to inspect."""
     if isinstance(job, CodegenJob):
         result.code = extract_code(text)
         return
@@ -286,8 +349,11 @@ def _read_output(job: Any, text: str, finish_reason: str | None, result: JobResu
     if schema is None and not (isinstance(job, ChatJob) and job.json_object):
         return
     if finish_reason == "length":
+        retried = f", and at {cut} tokens the first time" if cut else ""
         raise JobFailed(
-            "schema_incomplete", f"the JSON was cut off at max_tokens ({len(text)} characters)"
+            "schema_incomplete",
+            f"the JSON was cut off at max_tokens={max_tokens}{retried}; the partial output "
+            f"({len(text)} characters) is in text",
         )
     try:
         data = json.loads(text)
@@ -296,7 +362,8 @@ def _read_output(job: Any, text: str, finish_reason: str | None, result: JobResu
     if schema is not None:
         try:
             # the schema was meta-checked at intake; jsonschema.validate() would check it again
-            jsonschema.validators.validator_for(schema)(schema).validate(data)
+            cls = jsonschema.validators.validator_for(schema)
+            cls(schema, format_checker=cls.FORMAT_CHECKER).validate(data)
         except jsonschema.ValidationError as exc:
             where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
             raise JobFailed("schema_validation", f"at {where}: {exc.message}") from None

@@ -40,6 +40,18 @@ def store() -> Any:
     return _store
 
 
+_templates: Any = None
+
+
+def templates() -> Any:
+    global _templates
+    if _templates is None:
+        from .structured import Templates
+
+        _templates = Templates(lambda name: store().template(name))
+    return _templates
+
+
 def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
     with metrics.IN_FLIGHT.track_inprogress():
         try:
@@ -81,7 +93,7 @@ def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
         if attempts > settings.max_deliveries:
             return _dead_letter(env, payload, attempts, worker)
         try:
-            result = run_job(env, state.engine, settings, worker)
+            result = run_job(env, state.engine, settings, worker, templates())
         except EngineDead:
             _engine_died()
             raise Reject("the engine died; the job goes back to the queue", requeue=True) from None

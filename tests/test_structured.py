@@ -1,0 +1,188 @@
+"""JSON extraction that never returns invalid JSON: the real worker, engine and model
+(docs/structured-outputs.md)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from producer import Client
+from schemas import ExtractJob, JobResult
+from schemas.templates import BUILTIN
+
+from .conftest import ARTIFACTS, run_cli
+from .structured_cases import cases
+
+pytestmark = pytest.mark.engine
+
+# what a job that did not complete may end with: each names its cause
+JSON_ERRORS = {"schema_incomplete", "schema_validation", "invalid_json", "schema_unsupported",
+               "schema_compile_timeout"}  # fmt: skip
+
+
+def _run(client: Client, jobs: list[dict[str, Any]]) -> dict[str, JobResult]:
+    return {r.id: r for r in client.submit_many(jobs).results(timeout=900)}
+
+
+def _valid(schema: dict[str, Any], data: Any) -> bool:
+    cls = jsonschema.validators.validator_for(schema)
+    return not list(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(data))
+
+
+def test_fifty_schemas_completed_means_valid(client: Client) -> None:
+    # Given 50 schemas (nested objects, bounded arrays, enums, numbers, integers, booleans,
+    # nullable and optional fields, $defs/$ref, string formats) over ten realistic texts
+    jobs = cases()
+    assert len(jobs) == 50
+    got = _run(client, jobs)
+    counts: Counter[str] = Counter()
+    outcomes = {}
+    for job in jobs:
+        r = got[job["id"]]
+        outcomes[job["id"]] = r.error.type if r.error else r.status
+        if r.status == "completed":
+            # Then every completed result parses and satisfies its schema, formats included
+            assert _valid(job["json_schema"], r.data), (job["id"], r.text)
+            assert r.data == json.loads(r.text or "")
+            counts["completed"] += 1
+        else:
+            # and every other job ends with an error that names its cause, its output kept
+            assert r.error is not None and r.error.type in JSON_ERRORS, (job["id"], r.error)
+            assert r.text is not None
+            counts[r.error.type] += 1
+    ARTIFACTS.mkdir(exist_ok=True)
+    report = {"counts": dict(counts), "jobs": outcomes,
+              "texts": {k: got[k].text for k, v in outcomes.items() if v != "completed"}}
+    (ARTIFACTS / "structured-50.json").write_text(json.dumps(report, indent=2) + "\n")
+    assert counts["completed"] >= 30, counts  # 36 of 50 with the embedded 135M model
+
+
+def test_cut_off_json_is_retried_once_then_incomplete_with_its_text(client: Client) -> None:
+    # Given an extraction whose answer cannot fit in 6 tokens, nor in 12
+    schema = {"type": "object", "properties": {"summary": {"type": "string", "minLength": 200}},
+              "required": ["summary"]}  # fmt: skip
+    job = {"id": "cut", "type": "extract", "text": "A long story. " * 20, "json_schema": schema,
+           "max_tokens": 6}  # fmt: skip
+    r = _run(client, [job])["cut"]
+    # Then it was retried with twice the room, and failed as schema_incomplete, never
+    # completed, with the partial JSON attached and the first run's tokens counted as waste
+    assert r.status == "failed" and r.error and r.error.type == "schema_incomplete"
+    assert "max_tokens=12" in r.error.message and "at 6 tokens the first time" in r.error.message
+    assert r.text and r.text.startswith('{"summary":"') and r.usage.wasted_tokens == 6
+    assert r.data is None
+
+
+def test_schema_derived_max_tokens(client: Client) -> None:
+    # Given a small schema and no max_tokens
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "year": {"type": "integer"}},
+              "required": ["city", "year"]}  # fmt: skip
+    r = _run(client, [{"id": "s", "type": "extract", "text": "Founded in Oslo in 1624.",
+                       "json_schema": schema}])["s"]  # fmt: skip
+    # Then the output budget came from the schema (about 40 tokens, not the 512 default) and
+    # was enough
+    assert r.status == "completed" and r.data["year"] == 1624
+    assert r.finish_reason == "stop"
+
+
+def test_templates_builtin_registered_and_unknown(client: Client, tmp_path: Path) -> None:
+    # Given a job naming the built-in "contact" template, with neither schema nor instruction
+    text = "Best regards, Priya Natarajan, CFO, Orbit Logistics (priya@orbit.example)"
+    r = _run(client, [{"id": "t", "type": "extract", "text": text, "template": "contact"}])["t"]
+    # Then it completes against the template's schema, as its examples show
+    assert r.status == "completed", r.error
+    assert _valid(BUILTIN["contact"].json_schema, r.data) and r.data["name"] == "Priya Natarajan"
+    # Given a template a user registers with the CLI
+    mine = {
+        "name": "colour", "instruction": "Name the colour the text mentions.",
+        "json_schema": {"type": "object", "properties": {"colour": {"type": "string", "enum":
+                        ["red", "green", "blue"]}}, "required": ["colour"]},
+        "examples": [{"text": "The sky was blue.", "output": {"colour": "blue"}},
+                     {"text": "A red car.", "output": {"colour": "red"}}],
+    }  # fmt: skip
+    path = tmp_path / "colour.json"
+    path.write_text(json.dumps(mine))
+    add = run_cli("templates", "add", str(path))
+    assert add.returncode == 0, add.stderr
+    listed = run_cli("templates", "list", "--json")
+    names = {json.loads(line)["name"] for line in listed.stdout.decode().splitlines()}
+    assert {"contact", "invoice", "event", "colour"} <= names
+    r = _run(
+        client, [{"id": "c", "type": "extract", "text": "Green leaves.", "template": "colour"}]
+    )
+    assert r["c"].status == "completed" and r["c"].data == {"colour": "green"}
+    # and a template whose example breaks its own schema, or an unknown one, is refused
+    bad = dict(mine, name="broken", examples=[{"text": "x", "output": {"colour": "pink"}}])
+    path.write_text(json.dumps(bad))
+    refused = run_cli("templates", "add", str(path))
+    assert refused.returncode == 3 and b"example 1's output does not fit" in refused.stderr
+    src = tmp_path / "jobs.jsonl"
+    src.write_text(json.dumps({"type": "extract", "text": "x", "template": "nope"}) + "\n")
+    sub = run_cli("submit", str(src), "-q")
+    assert sub.returncode == 3 and b"unknown template 'nope'" in sub.stderr
+
+
+BAD_SCHEMAS = {
+    "invalid": ({"type": "strng"}, "is not a valid JSON Schema"),
+    "huge": ({"type": "object", "properties": {f"f{i}": {"type": "string", "description": "x" * 60}
+                                               for i in range(1200)}}, "the limit is 64000"),
+    "deep": (None, "nests more than 32 levels deep"),
+    "not": ({"type": "object", "not": {"required": ["a"]}}, 'Unimplemented keys: ["not"]'),
+    "unique": ({"type": "array", "uniqueItems": True}, 'Unimplemented keys: ["uniqueItems"]'),
+    "if-then": ({"if": {"type": "string"}, "then": {"minLength": 2}}, '["if", "then"]'),
+    "format": ({"type": "string", "format": "regex"}, "Unknown format: regex"),
+    "lookahead": ({"type": "string", "pattern": "^(?=a)"}, "look-around"),
+    "remote-ref": ({"$ref": "https://example.com/s.json"}, "not present in a registry"),
+}  # fmt: skip
+
+
+def test_bad_schemas_each_get_their_own_error(tmp_path: Path) -> None:
+    deep: dict[str, Any] = {"type": "string"}
+    for _ in range(60):
+        deep = {"type": "object", "properties": {"x": deep}}
+    lines = []
+    for name, (schema, _) in BAD_SCHEMAS.items():
+        lines.append({"id": name, "type": "extract", "text": "x",
+                      "json_schema": deep if schema is None else schema})  # fmt: skip
+    src, errors = tmp_path / "bad.jsonl", tmp_path / "errors.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    # When they are submitted together, nothing is enqueued and each line's error names its
+    # problem, with the job id
+    proc = run_cli("submit", str(src), "-q", "--errors", str(errors), "--wait")
+    assert proc.returncode == 3
+    got = {json.loads(x)["custom_id"]: json.loads(x)["error"]["message"]
+           for x in errors.read_text().splitlines()}  # fmt: skip
+    for name, (_, expected) in BAD_SCHEMAS.items():
+        assert expected in got[name], (name, got[name])
+    # the same checks hold for the Python API
+    with pytest.raises(ValueError, match="Unimplemented keys"):
+        ExtractJob(type="extract", text="x", json_schema=BAD_SCHEMAS["not"][0])
+
+
+def test_grammar_compilation_is_bounded_and_remembered() -> None:
+    # Given the worker's grammar check on the real tokenizer, with a limit no compile can meet
+    from transformers import AutoTokenizer
+
+    from worker.models import resolve_model
+    from worker.structured import GrammarCheck, SchemaRefused
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
+    check = GrammarCheck(tok, timeout_s=1e-9)
+    slow = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]{3,9}$"}}}
+    with pytest.raises(SchemaRefused) as first:
+        check.check(slow)
+    # Then the job fails with schema_compile_timeout, and the schema's next job fails at once
+    # from the cache (the worker is never held up by it)
+    assert first.value.type == "schema_compile_timeout"
+    with pytest.raises(SchemaRefused, match="did not compile within"):
+        check.check(dict(slow))
+    # while a check with room compiles a schema once and remembers it compiles
+    ok = GrammarCheck(tok, timeout_s=30)
+    ok.check(slow)
+    ok.check(slow)
+    assert list(ok._seen.values()) == [None]
