@@ -56,8 +56,11 @@ def test_fifty_schemas_completed_means_valid(client: Client) -> None:
             assert r.text is not None
             counts[r.error.type] += 1
     ARTIFACTS.mkdir(exist_ok=True)
-    report = {"counts": dict(counts), "jobs": outcomes,
-              "texts": {k: got[k].text for k, v in outcomes.items() if v != "completed"}}
+    report = {
+        "counts": dict(counts),
+        "jobs": outcomes,
+        "texts": {k: got[k].text for k, v in outcomes.items() if v != "completed"},
+    }
     (ARTIFACTS / "structured-50.json").write_text(json.dumps(report, indent=2) + "\n")
     assert counts["completed"] >= 30, counts  # 36 of 50 with the embedded 135M model
 
@@ -186,3 +189,21 @@ def test_grammar_compilation_is_bounded_and_remembered() -> None:
     ok.check(slow)
     ok.check(slow)
     assert list(ok._seen.values()) == [None]
+
+
+def test_budget_and_grammar_schema_follow_the_schema() -> None:
+    from worker.structured import NUMBER_BOUND, generation_schema, schema_token_budget
+
+    small = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}}}
+    # Given schemas of very different sizes, their budgets differ accordingly, within the cap
+    assert 32 <= schema_token_budget(small, cap=512) < 64
+    big = {"type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(40)}}
+    assert schema_token_budget(big, cap=512) == 512
+    assert schema_token_budget({"enum": ["a" * 300]}, cap=4096) > 100
+    # and the grammar's schema bounds open numbers only, leaving the job's schema as it was
+    sch = {"type": "object", "properties": {"n": {"type": ["integer", "null"]},
+                                            "x": {"type": "number", "minimum": 0}}}  # fmt: skip
+    bounded = generation_schema(sch)
+    assert bounded["properties"]["n"]["maximum"] == NUMBER_BOUND
+    assert bounded["properties"]["x"] == {"type": "number", "minimum": 0, "maximum": NUMBER_BOUND}
+    assert "maximum" not in sch["properties"]["n"]
