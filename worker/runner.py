@@ -77,8 +77,9 @@ def run_job(
         if isinstance(job, ExtractJob):
             job, examples = apply_template(job, templates)
         schema = _schema_of(job)
-        if schema is not None and _grammar_checked(engine, settings):
-            _grammar_check(engine, settings).check(generation_schema(schema))
+        grammar = generation_schema(schema) if schema is not None else None
+        if grammar is not None and _grammar_checked(engine, settings):
+            _grammar_check(engine, settings).check(grammar)
         want = job.max_tokens or (
             schema_token_budget(schema, settings.default_max_tokens(job.type))
             if schema is not None
@@ -100,13 +101,13 @@ def run_job(
                 f"{settings.max_model_len} and the answer needs at least {MIN_ANSWER_TOKENS}",
             )
         max_tokens = min(want, room)
-        gen = generate(job, engine, settings, prompt, max_tokens, env.prefix_key, result)
+        gen = generate(job, engine, settings, prompt, max_tokens, env.prefix_key, result, grammar)
         cut = 0
         if _wants_json(job) and gen.finish_reason == "length" and room > max_tokens:
             # JSON cut off: once more with twice the room; what the first run wrote is lost
             cut = gen.completion_tokens
             max_tokens = min(2 * max_tokens, room)
-            gen = generate(job, engine, settings, prompt, max_tokens, None, result)
+            gen = generate(job, engine, settings, prompt, max_tokens, None, result, grammar)
         result.text = gen.text
         result.finish_reason = gen.finish_reason
         result.usage = Usage(
@@ -152,12 +153,15 @@ def generate(
     max_tokens: int,
     prefix_key: str | None,
     result: JobResult,
+    grammar: dict[str, Any] | None = None,
 ) -> Generation:
     """Generate the job's answer; under early stop, attempt after attempt until one is not
-    aborted, each recorded in ``result.attempts``. The job's timeout covers all of them."""
+    aborted, each recorded in ``result.attempts``. The job's timeout covers all of them.
+    ``grammar``: the schema the guided decoding compiles (``structured.generation_schema``)."""
     policy = early_stop_policy(job, settings)
     if policy is None:
-        return engine.generate(prompt, sampling_params(job, max_tokens), job.timeout_s, prefix_key)
+        params = sampling_params(job, max_tokens, grammar=grammar)
+        return engine.generate(prompt, params, job.timeout_s, prefix_key)
     deadline = time.monotonic() + min(
         job.timeout_s or settings.job_timeout_s, settings.job_timeout_s
     )
@@ -167,7 +171,7 @@ def generate(
         # vLLM does not stop a request short of min_tokens: no abort before them either
         grace = max(policy.grace_tokens, job.min_tokens)
         monitor = Monitor(policy.threshold, policy.window, grace, abort=k < last)
-        params = sampling_params(job, max_tokens, temperature, seed)
+        params = sampling_params(job, max_tokens, temperature, seed, grammar)
         left = deadline - time.monotonic()
         if left <= 0:
             raise JobTimeout("the job's time ran out between early-stop attempts")
@@ -279,7 +283,11 @@ def fit_input(job: Any, engine: Any, settings: Settings, want: int) -> tuple[Any
 
 
 def sampling_params(
-    job: Any, max_tokens: int, temperature: float | None = None, seed: int | None = None
+    job: Any,
+    max_tokens: int,
+    temperature: float | None = None,
+    seed: int | None = None,
+    grammar: dict[str, Any] | None = None,
 ) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -287,7 +295,7 @@ def sampling_params(
     structured = None
     schema = _schema_of(job)
     if schema is not None:
-        structured = StructuredOutputsParams(json=generation_schema(schema))
+        structured = StructuredOutputsParams(json=grammar or generation_schema(schema))
     elif isinstance(job, ChatJob) and job.json_object:
         structured = StructuredOutputsParams(json_object=True)
     return SamplingParams(
