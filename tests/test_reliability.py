@@ -25,7 +25,7 @@ import redis
 
 from producer import Client
 
-from .conftest import ROOT, WorkerProc, free_port, make_settings, wait_for, worker_env
+from .conftest import REDIS_URL, ROOT, WorkerProc, free_port, make_settings, wait_for, worker_env
 
 REPORT = ROOT / "tests" / "artifacts" / "reliability.json"
 
@@ -199,6 +199,25 @@ def test_redis_restart_mid_batch(private_redis: PrivateRedis, tmp_path: Path) ->
         w.stop()
     assert w.proc.returncode == 0  # and the worker rode it out
     _report("redis restart mid-batch", {"jobs": 200, "results_before_restart": at_stop, **figures})
+
+
+def test_a_dropped_broker_connection_leaves_the_consumer_running() -> None:
+    # Given a real kombu channel on the real Redis, holding a job it handed out and nobody
+    # acked, whose connection's client an earlier close already dropped (what a Redis restart
+    # mid-batch left behind, once, in CI: the consumer died "Unrecoverable" and the worker
+    # lingered without consuming)
+    from kombu import Connection
+
+    from worker.app import survive_kombu_close_race
+
+    survive_kombu_close_race()
+    conn = Connection(REDIS_URL)
+    channel = conn.channel()
+    channel.qos._delivered["job-in-flight"] = None
+    conn.transport.client = None
+    # When the channel closes, it does not raise (kombu 5.7 raised AttributeError here, which
+    # Celery treats as unrecoverable); the job stays for the visibility-timeout scan
+    channel.close()
 
 
 def test_sigterm_drains_then_next_worker_finishes(private_redis: PrivateRedis) -> None:

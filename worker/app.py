@@ -26,6 +26,40 @@ log = logging.getLogger(__name__)
 EXIT_ENGINE = 3
 
 
+def survive_kombu_close_race() -> None:
+    """Keep the consumer alive when the broker connection drops with jobs in flight.
+
+    kombu 5.7's Redis channel, on close, first discards its connection pool and then restores
+    its unacknowledged messages through a new one, built from the connection's client. When
+    that client is already gone, this raises AttributeError. Celery calls that an
+    "Unrecoverable error": the consumer stops for good while the process, and its heartbeat,
+    live on. Seen in ``tests/test_reliability.py::test_redis_restart_mid_batch``.
+
+    Skipping that restore loses nothing. The messages stay in kombu's unacked set, where the
+    tasks still running them ack them, or any worker's visibility-timeout scan returns them.
+    """
+    from kombu.transport import redis as kombu_redis
+
+    original = kombu_redis.QoS.restore_unacked
+    if getattr(original, "_vqueue", False):
+        return
+
+    def restore_unacked(self: Any, client: Any = None) -> Any:
+        try:
+            return original(self, client)
+        except AttributeError as exc:
+            log.warning(
+                "broker connection closed before its %d unacknowledged job(s) could be "
+                "restored (%s); they return after the visibility timeout",
+                len(self._delivered),
+                exc,
+            )
+            return None
+
+    restore_unacked._vqueue = True  # type: ignore[attr-defined]
+    kombu_redis.QoS.restore_unacked = restore_unacked  # type: ignore[method-assign]
+
+
 def create_app(settings: Settings | None = None) -> Celery:
     s = settings or get_settings()
     app = Celery("vqueue", broker=s.broker_url, backend=s.backend_url())
@@ -64,6 +98,7 @@ def create_app(settings: Settings | None = None) -> Celery:
 
 settings = get_settings()
 app = create_app(settings)
+survive_kombu_close_race()
 app.conf.imports = ("worker.tasks",)
 
 
