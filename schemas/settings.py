@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     # each distinct JSON Schema is compiled once by the worker, bounded by this; a schema that
     # takes longer fails its jobs with schema_compile_timeout (worker/structured.py)
     schema_compile_timeout_s: float = Field(default=10.0, gt=0)
+    # vqueue's vLLM plugin (worker/engine.py: vllm_plugin) fills guided decoding's token masks
+    # with llguidance's parallel executor instead of vLLM's Python loop
+    parallel_grammar_masks: bool = True
 
     # -- worker process
     # import path of the engine host; benchmarks/stub_engine.py swaps in an instant stub to

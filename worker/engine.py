@@ -351,3 +351,24 @@ def _has_cuda() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:
         return False
+
+
+def vllm_plugin() -> None:
+    """vLLM general plugin (``pyproject.toml``: entry point ``vllm.general_plugins: vqueue``); vLLM
+    runs it in each of its processes, including the engine core, where the changes have to be.
+
+    Each change keeps vLLM's results and is skipped where vLLM's internals look different from
+    the version it was written against: guided decoding's masks filled in parallel
+    (``worker.structured``), and the confidence monitor no longer making vLLM gather every
+    request's output token ids before each step (``worker.confidence``).
+    """
+    try:
+        s = Settings()
+    except Exception:  # a broken VQUEUE_* variable is the worker's to report, not vLLM's
+        s = None
+    from .confidence import install_output_ids_opt_out
+    from .structured import install_parallel_masks
+
+    if s is None or s.parallel_grammar_masks:
+        install_parallel_masks()
+    install_output_ids_opt_out()

@@ -14,6 +14,8 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import os
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -233,3 +235,183 @@ def apply_template(job: ExtractJob, templates: Templates | None) -> tuple[Extrac
     if job.instruction is None:
         updates["instruction"] = template.instruction
     return job.model_copy(update=updates), list(template.examples)
+
+
+# -- guided decoding inside the engine ---------------------------------------------------------
+def install_parallel_masks() -> None:
+    """Take the per-request Python out of guided decoding's engine step (from the vLLM plugin in
+    ``worker.engine``, in every vLLM process). Measured in docs/benchmarks.md.
+
+    With llguidance, every step of vLLM's engine core does three things per guided request in
+    Python while holding the GIL: it advances the request's matcher by the sampled token, fills
+    its row of the token mask (below 128 requests serially, else 16 at a time on a thread pool
+    whose threads each take the GIL back per request), and copies that row into place for the
+    batch order on the GPU. On a small model the engine step is host-bound, so this is most of
+    what guided decoding costs. Here the matchers are advanced together and their masks filled
+    together, each by one llguidance call that runs on its own Rust threads off the GIL, and the
+    rows are put in batch order on the device. Masks and tokens are the same as vLLM's.
+
+    Taken only where that holds: the guidance backend, no speculative decoding, no reasoning
+    parser. Anything else, or a vLLM whose internals look different, keeps vLLM's own path.
+    """
+    try:
+        from vllm.v1.structured_output import StructuredOutputManager, utils
+        from vllm.v1.structured_output.backend_guidance import GuidanceGrammar
+    except ImportError:
+        return
+    if getattr(StructuredOutputManager.grammar_bitmask, "__vqueue__", False):
+        return
+    StructuredOutputManager.grammar_bitmask = _parallel_grammar_bitmask(  # type: ignore[method-assign]
+        StructuredOutputManager.grammar_bitmask
+    )
+    _defer_accepts(GuidanceGrammar)
+    fast = _device_side_reorder(getattr(utils, "apply_grammar_bitmask"))  # noqa: B009
+    setattr(utils, "apply_grammar_bitmask", fast)  # noqa: B010
+    runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")  # imported by name there
+    if runner is not None and hasattr(runner, "apply_grammar_bitmask"):
+        setattr(runner, "apply_grammar_bitmask", fast)  # noqa: B010
+    # vLLM's own logger tree, so the line shows in the engine process's log
+    logging.getLogger("vllm.vqueue").info(
+        "vqueue: guided decoding's matchers and masks run batched"
+    )
+
+
+class _Batched:
+    """The engine process's llguidance executor and the tokens its matchers still have to take.
+
+    The executor is made on first use: the plugin also runs in the process that forks the
+    engine core, and a forked copy of an executor has no threads behind it.
+    """
+
+    pending: list[tuple[Any, int]] = []  # (GuidanceGrammar, token) accepted but not yet consumed
+    _executors: dict[int, Any] = {}
+
+    @classmethod
+    def executor(cls) -> Any:
+        import llguidance
+
+        ex = cls._executors.get(os.getpid())
+        if ex is None:
+            ex = cls._executors[os.getpid()] = llguidance.LLExecutor(
+                max(1, min(8, (os.cpu_count() or 2) // 2))
+            )
+        return ex
+
+    @classmethod
+    def flush(cls) -> None:
+        """Advance every matcher that was handed a token since the last flush, in one call."""
+        if not cls.pending:
+            return
+        batch, cls.pending = cls.pending, []
+        # a stopped matcher takes nothing more (vLLM's accept_tokens returns early for it too)
+        live = [(g, t) for g, t in batch if not g.ll_matcher.is_stopped()]
+        if not live:
+            return
+        done = cls.executor().consume_token_par([(g.ll_matcher, t) for g, t in live])
+        for (g, _), ok in zip(live, done, strict=True):
+            if not ok:  # cannot happen under the mask; vLLM would end the request, the matcher
+                g.check_error()  # now only allows EOS, so it ends at once and fails validation
+
+
+def _defer_accepts(grammar_cls: Any) -> None:
+    """A sampled token was drawn under the matcher's own mask, so accepting it cannot fail: hand
+    it over now, consume it with the rest of the batch before the next mask or any other use."""
+    stock_accept = grammar_cls.accept_tokens
+
+    def accept_tokens(self: Any, request_id: str, tokens: list[int]) -> bool:
+        if len(tokens) == 1 and not self.terminated and tokens[0] != self.ll_tokenizer.eos_token:
+            _Batched.pending.append((self, tokens[0]))
+            return True
+        _Batched.flush()
+        return bool(stock_accept(self, request_id, tokens))
+
+    grammar_cls.accept_tokens = accept_tokens
+    for name in ("validate_tokens", "rollback", "fill_bitmask", "reset"):
+        method = getattr(grammar_cls, name, None)
+        if method is not None:
+            setattr(grammar_cls, name, _flushing(method))
+
+
+def _flushing(method: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _Batched.flush()
+        return method(*args, **kwargs)
+
+    return call
+
+
+def _parallel_grammar_bitmask(stock: Callable[..., Any]) -> Callable[..., Any]:
+    import llguidance.torch
+
+    def grammar_bitmask(self: Any, requests: Any, request_ids: list[str], spec_tokens: Any) -> Any:
+        _Batched.flush()
+        backend = self.backend
+        if (
+            not request_ids
+            or spec_tokens
+            or type(backend).__name__ != "GuidanceBackend"
+            or getattr(self, "reasoner_cls", None) is not None
+            or self.vllm_config.speculative_config is not None
+        ):
+            return stock(self, requests, request_ids, spec_tokens)
+        if self._grammar_bitmask is None:
+            rows = self.vllm_config.scheduler_config.max_num_seqs
+            self._grammar_bitmask = backend.allocate_token_bitmask(rows)
+        bitmask = self._grammar_bitmask
+        masks = bitmask.numpy()
+        work = []
+        for index, req_id in enumerate(request_ids):
+            grammar = requests[req_id].structured_output_request.grammar
+            if grammar.terminated:
+                masks[index] = -1  # any token: vLLM's own path does the same
+            else:
+                work.append((grammar.ll_matcher, index))
+        if work:
+            llguidance.torch.fill_next_token_bitmask_par(_Batched.executor(), work, bitmask)
+        return masks[: len(request_ids)]
+
+    grammar_bitmask.__vqueue__ = True  # type: ignore[attr-defined]
+    return grammar_bitmask
+
+
+def _device_side_reorder(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's ``apply_grammar_bitmask`` with the reordering moved to the device.
+
+    vLLM allocates a batch-sized host bitmask every step, copies each request's row into its
+    batch position in a Python loop and uploads the whole thing. Here the compact bitmask goes up
+    as it is (it sits in the manager's pinned buffer when the model runs in the engine process),
+    and one indexed copy on the device puts the rows in place.
+    """
+
+    def apply_grammar_bitmask(
+        scheduler_output: Any, grammar_output: Any, input_batch: Any, logits: Any
+    ) -> None:
+        if scheduler_output.scheduled_spec_decode_tokens or logits.is_cpu:
+            return stock(scheduler_output, grammar_output, input_batch, logits)
+        index = input_batch.req_id_to_index
+        rows = [index[r] for r in grammar_output.structured_output_request_ids]
+        _apply_in_batch_order(logits, grammar_output.grammar_bitmask, rows)
+
+    apply_grammar_bitmask.__vqueue__ = True  # type: ignore[attr-defined]
+    return apply_grammar_bitmask
+
+
+def _apply_in_batch_order(logits: Any, bitmask: Any, rows: list[int]) -> None:
+    """Mask ``logits`` row ``rows[i]`` with ``bitmask`` row ``i`` (a numpy int32 array); the other
+    rows are left alone."""
+    import torch
+    import xgrammar as xgr
+
+    cuda = not logits.is_cpu
+    masks = torch.from_numpy(bitmask).to(logits.device, non_blocking=cuda)
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        xgr.apply_token_bitmask_inplace(logits, masks)
+        return
+    at = torch.tensor(rows, dtype=torch.int64, pin_memory=cuda).to(logits.device, non_blocking=cuda)
+    full = torch.full(
+        (logits.shape[0], masks.shape[1]), -1, dtype=masks.dtype, device=logits.device
+    )
+    full.index_copy_(0, at, masks)
+    # xgrammar's CUDA path takes a device tensor for indices (no host sync), its CPU path a list
+    indices: Any = at.to(torch.int32) if cuda else rows
+    xgr.apply_token_bitmask_inplace(logits, full, indices=indices)
