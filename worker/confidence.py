@@ -354,6 +354,40 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
             mm[slots[sel]] = values[sel]
 
 
+def install_output_ids_opt_out() -> None:
+    """Stop the monitor from costing vLLM a host sync per step.
+
+    vLLM assumes any custom logits processor reads every request's output token ids, so with one
+    loaded it keeps them current for the sampler: under asynchronous scheduling that means
+    waiting for the previous step's sampled tokens to reach the host and patching each request's
+    list, on every step, before sampling. The monitor reads no token ids (only whether a row has
+    produced its first token, which the list's length tells and vLLM keeps up to date anyway), so
+    where it is the only custom processor the input batch is told it needs none.
+    """
+    try:
+        from vllm.v1.worker.gpu_input_batch import InputBatch
+    except ImportError:
+        return
+    stock = InputBatch.__init__
+    if getattr(stock, "__vqueue__", False):
+        return
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        stock(self, *args, **kwargs)
+        procs = getattr(getattr(self, "logitsprocs", None), "all", None)
+        if not getattr(self, "logitsprocs_need_output_token_ids", False) or procs is None:
+            return
+        custom = [p for p in procs if not type(p).__module__.startswith("vllm.")]
+        if custom and all(isinstance(p, ConfidenceMonitor) for p in custom):
+            self.logitsprocs_need_output_token_ids = False
+            logging.getLogger("vllm.vqueue").info(
+                "vqueue: the confidence monitor needs no output token ids"
+            )
+
+    __init__.__vqueue__ = True  # type: ignore[attr-defined]
+    InputBatch.__init__ = __init__  # type: ignore[method-assign]
+
+
 def _step(x: Any, st: Any, cfg: Any, fresh: Any) -> tuple[Any, Any]:
     """One step of the rule for every row: the new counters, and which rows to abort now.
 
