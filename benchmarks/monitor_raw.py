@@ -1,20 +1,24 @@
-"""The confidence monitor's own cost in raw vLLM (no queue): one engine, the same prompts with
-the monitor idle and with it watching every request (a threshold no token reaches), alternated.
+"""The confidence monitor's own cost in raw vLLM (no queue): an engine without it, then one with it
+loaded, running the same prompts idle (no request watched) and watching every request (a threshold
+no token reaches), alternated.
 
     python -m benchmarks.monitor_raw --model /tmp/models/qwen05 --out $OUT
 
-Each round's figures are appended to monitor-raw.json as they come, so a cut-short run keeps
-what it measured.
+Both engines are built from the worker's own engine arguments, each in its own process. Figures
+are appended to monitor-raw.jsonl as they come, so a cut-short run keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
-
-from worker.confidence import ConfidenceBoard, Monitor, request_args
+from typing import Any
 
 
 def main() -> None:
@@ -24,44 +28,99 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1000)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--child", choices=["off", "on"], help=argparse.SUPPRESS)
     a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "monitor-raw.jsonl"
+    if a.child:
+        child(a, log)
+        return
+    log.unlink(missing_ok=True)
+    for c in ("off", "on"):
+        env = dict(os.environ, VQUEUE_CONFIDENCE_MONITOR="true" if c == "on" else "false")
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.monitor_raw",
+                "--child",
+                c,
+                "--model",
+                a.model,
+                "--out",
+                a.out,
+                "--jobs",
+                str(a.jobs),
+                "--tokens",
+                str(a.tokens),
+                "--rounds",
+                str(a.rounds),
+            ],
+            env=env,
+            check=False,
+        )
+    rows = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    runs: dict[str, list[float]] = {}
+    for r in rows:
+        if "run" in r:
+            runs.setdefault(r["run"], []).append(r["jobs_per_s"])
+    base = statistics.median(runs.get("no monitor", [0])) or None
+    print("| run | jobs/s per round | median | vs no monitor |\n|---|---|---|---|")
+    summary = []
+    for run, vals in runs.items():
+        med = statistics.median(vals)
+        share = round(med / base, 3) if base else None
+        summary.append({"run": run, "jobs_per_s": vals, "median": med, "vs_no_monitor": share})
+        print(f"| {run} | {' / '.join(f'{v:.1f}' for v in vals)} | {med:.1f} | {share} |")
+    (out / "monitor-raw.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
+
+
+def child(a: argparse.Namespace, log: Path) -> None:
     from vllm import LLM, SamplingParams
 
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    out = Path(a.out) / "monitor-raw.json"
-    t0 = time.perf_counter()
-    import torch
+    from schemas import Settings
+    from worker.confidence import ConfidenceBoard, Monitor, request_args
+    from worker.engine import engine_kwargs
 
-    cpu = {} if torch.cuda.is_available() else dict(
-        dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30, max_model_len=2048
-    )
-    llm = LLM(model=a.model, logits_processors=["worker.confidence:ConfidenceMonitor"], **cpu)
-    rows: list[dict[str, object]] = [{"engine_start_s": round(time.perf_counter() - t0, 1)}]
+    def emit(row: dict[str, Any]) -> None:
+        print(json.dumps(row), flush=True)
+        with log.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(Settings(_env_file=None), a.model))
+    emit({"engine": a.child, "engine_start_s": round(time.perf_counter() - t0, 1)})
     tok = llm.get_tokenizer()
-    board = ConfidenceBoard()
+    board = ConfidenceBoard() if a.child == "on" else None
     marker = len(tok) - 1
-    prompts = [{"prompt_token_ids": tok.encode(f"Report {i}: " + "word " * 150)} for i in range(a.jobs)]
+    prompts = [
+        {"prompt_token_ids": tok.encode(f"Report {i}: " + "word " * 150)} for i in range(a.jobs)
+    ]
     base = dict(max_tokens=a.tokens, min_tokens=a.tokens, ignore_eos=True, temperature=0.0)
 
     def run(watch: bool) -> float:
         params = []
         for _ in prompts:
             extra = None
-            if watch:
+            if watch and board is not None:
                 extra = request_args(board, board.slot(), Monitor(-1000.0, 2, 4, True), marker)
             params.append(SamplingParams(**base, extra_args=extra, stop_token_ids=[marker]))
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         return a.jobs / (time.perf_counter() - t)
 
-    run(False)  # warm-up
+    run(board is not None)  # warm-up
+    modes = (
+        [("no monitor", False)]
+        if board is None
+        else [("monitor idle", False), ("monitor watching", True)]
+    )
     for r in range(a.rounds):
-        for watch in (False, True):
-            rows.append({"round": r + 1, "monitor": "watching" if watch else "idle",
-                         "jobs_per_s": round(run(watch), 2)})  # fmt: skip
-            out.write_text(json.dumps(rows, indent=2))
-            print(json.dumps(rows[-1]), flush=True)
-    board.close()
+        for name, watch in modes:
+            emit({"round": r + 1, "run": name, "jobs_per_s": round(run(watch), 2)})
+    if board is not None:
+        board.close()
 
 
 if __name__ == "__main__":

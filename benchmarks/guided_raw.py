@@ -1,0 +1,314 @@
+"""Guided JSON against the same prompts unconstrained, in raw vLLM (no queue): with vLLM's own
+guided-decoding step (``stock``), with vqueue's plugin batching it (``parallel``, see
+worker/structured.py), the same with vLLM's asynchronous scheduling off (``parallel-sync``), and
+the plugin in an in-process engine that times the engine step's parts (``inproc``, attribution
+only).
+
+    python -m benchmarks.guided_raw --model /tmp/models/qwen05 --out $OUT
+
+Each variant runs in its own process with a fresh engine built from the worker's own engine
+arguments. Every round runs the extract jobs guided, then the same rendered prompts unconstrained,
+each forced to emit exactly as many tokens as its guided twin did, so both sides generate the same
+tokens. Results go to guided-raw.json as they come, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+VARIANTS = ("stock", "parallel", "parallel-sync", "inproc")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--jobs", type=int, default=768)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.child:
+        child(a, out / f"guided-{a.child}.jsonl")
+        return
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [_plugin_path(), os.environ.get("PYTHONPATH")])),
+    )
+    results: dict[str, list[dict[str, Any]]] = {}
+    for v in a.variants.split(","):
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.guided_raw",
+            "--child",
+            v,
+            "--model",
+            a.model,
+            "--out",
+            a.out,
+            "--jobs",
+            str(a.jobs),
+            "--max-tokens",
+            str(a.max_tokens),
+            "--rounds",
+            str(a.rounds),
+        ]
+        venv = dict(env, VQUEUE_PARALLEL_GRAMMAR_MASKS="false" if v == "stock" else "true")
+        if v == "inproc":
+            venv["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        print(f"-- {v}", file=sys.stderr, flush=True)
+        subprocess.run(cmd, env=venv, check=False)
+        f = out / f"guided-{v}.jsonl"
+        results[v] = [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
+        report(results, out)
+
+
+def _plugin_path() -> str | None:
+    """Where vqueue is not pip-installed (the GPU host runs it from PYTHONPATH), its vLLM plugin
+    entry point has no dist-info to be found by; write one so the engine process loads it."""
+    from importlib.metadata import entry_points
+
+    if any(e.name == "vqueue" for e in entry_points(group="vllm.general_plugins")):
+        return None
+    d = Path(tempfile.mkdtemp(prefix="vqueue-ep-"))
+    info = d / "vqueue_plugin-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vqueue-plugin\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nvqueue = worker.engine:vllm_plugin\n"
+    )
+    return str(d)
+
+
+def child(a: argparse.Namespace, path: Path) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from schemas import ExtractJob, Settings
+    from worker.engine import engine_kwargs
+    from worker.prompts import build_messages, render
+    from worker.structured import generation_schema
+
+    from .workloads import SCHEMAS, WORDS
+
+    path.unlink(missing_ok=True)
+
+    def emit(row: dict[str, Any]) -> None:
+        print(json.dumps(row), flush=True)
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    settings = Settings(_env_file=None)
+    timers = _install_timers() if a.child == "inproc" else None
+    t0 = time.perf_counter()
+    kwargs = engine_kwargs(settings, a.model)
+    if a.child == "parallel-sync":
+        kwargs["async_scheduling"] = False
+    llm = LLM(**kwargs)
+    emit({"variant": a.child, "engine_start_s": round(time.perf_counter() - t0, 1)})
+    tok = llm.get_tokenizer()
+    rng = random.Random(7)
+    prompts, guided = [], []
+    for i in range(a.jobs):
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        words = " ".join(rng.choice(WORDS) for _ in range(300))
+        job = ExtractJob.model_validate(
+            {"id": f"x{i}", "type": "extract", "text": words, "json_schema": schema}
+        )
+        prompts.append({"prompt_token_ids": render(tok, build_messages(job, settings))})
+        guided.append(
+            SamplingParams(
+                max_tokens=a.max_tokens,
+                temperature=0.0,
+                structured_outputs=StructuredOutputsParams(json=generation_schema(schema)),
+            )
+        )
+
+    outputs: list[list[int]] = []
+
+    def timed(params: list[Any]) -> tuple[float, list[int]]:
+        if timers is not None:
+            timers.clear()
+        t = time.perf_counter()
+        res = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        outputs[:] = [list(r.outputs[0].token_ids) for r in res]
+        return wall, [len(o) for o in outputs]
+
+    import llguidance
+    import llguidance.hf
+
+    lltok = llguidance.hf.from_tokenizer(tok, llm.llm_engine.model_config.get_vocab_size())
+    grammars = [
+        llguidance.LLMatcher.grammar_from_json_schema(
+            generation_schema(s), defaults={"whitespace_flexible": False}
+        )
+        for s in SCHEMAS
+    ]
+
+    def violations() -> int:
+        """Guided outputs that the job's grammar does not accept token for token (must be 0)."""
+        bad = 0
+        for i, ids in enumerate(outputs):
+            ids = [t for t in ids if t != lltok.eos_token]
+            m = llguidance.LLMatcher(lltok, grammars[i % len(grammars)])
+            bad += m.validate_tokens(ids) != len(ids)
+        return bad
+
+    llm.generate(prompts[:64], guided[:64], use_tqdm=False)  # warm-up: grammars, masks, graphs
+    for r in range(a.rounds):
+        wall, lengths = timed(guided)
+        row = {
+            "variant": a.child,
+            "round": r + 1,
+            "run": "guided",
+            "wall_s": round(wall, 3),
+            "jobs_per_s": round(a.jobs / wall, 2),
+            "output_tokens": sum(lengths),
+            "output_tok_per_s": round(sum(lengths) / wall),
+            "at_max_tokens": sum(1 for n in lengths if n >= a.max_tokens),
+            "grammar_violations": violations(),
+            "digest": hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:12],
+        }
+        if timers is not None:
+            row["engine_ms"] = timers.report()
+        emit(row)
+        free = [
+            SamplingParams(
+                max_tokens=max(1, n), min_tokens=max(1, n), ignore_eos=True, temperature=0.0
+            )
+            for n in lengths
+        ]
+        wall, got = timed(free)
+        row = {
+            "variant": a.child,
+            "round": r + 1,
+            "run": "unconstrained, same lengths",
+            "wall_s": round(wall, 3),
+            "jobs_per_s": round(a.jobs / wall, 2),
+            "output_tokens": sum(got),
+            "output_tok_per_s": round(sum(got) / wall),
+        }
+        if timers is not None:
+            row["engine_ms"] = timers.report()
+        emit(row)
+
+
+class _Timers:
+    def __init__(self) -> None:
+        self.total: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def clear(self) -> None:
+        self.total.clear()
+        self.calls.clear()
+
+    def report(self) -> dict[str, dict[str, float]]:
+        return {
+            k: {
+                "calls": self.calls[k],
+                "total_ms": round(v * 1e3, 1),
+                "mean_ms": round(v * 1e3 / max(1, self.calls[k]), 3),
+            }
+            for k, v in self.total.items()
+        }
+
+
+def _install_timers() -> _Timers:
+    """Wall time per call of the engine step's parts, in an in-process engine (attribution only:
+    the frontend shares the process, so absolute speed is not the worker's)."""
+    import importlib
+
+    t = _Timers()
+    spots = [
+        ("vllm.v1.engine.core", "EngineCore", ["step", "step_with_batch_queue"]),
+        (
+            "vllm.v1.core.sched.scheduler",
+            "Scheduler",
+            ["schedule", "update_from_output", "get_grammar_bitmask"],
+        ),
+        (
+            "vllm.v1.core.sched.async_scheduler",
+            "AsyncScheduler",
+            ["schedule", "update_from_output"],
+        ),
+        ("vllm.v1.structured_output", "StructuredOutputManager", ["grammar_init"]),
+        ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ["execute_model", "sample_tokens"]),
+    ]
+    for mod, cls, names in spots:
+        try:
+            c = getattr(importlib.import_module(mod), cls)
+        except (ImportError, AttributeError):
+            continue
+        for n in names:
+            if n in c.__dict__:
+                setattr(c, n, _timed(t, f"{cls}.{n}", c.__dict__[n]))
+    try:
+        m = importlib.import_module("vllm.v1.worker.gpu_model_runner")
+        m.apply_grammar_bitmask = _timed(t, "apply_grammar_bitmask", m.apply_grammar_bitmask)
+    except (ImportError, AttributeError):
+        pass
+    return t
+
+
+def _timed(t: _Timers, name: str, fn: Any) -> Any:
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        s = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            t.total[name] = t.total.get(name, 0.0) + time.perf_counter() - s
+            t.calls[name] = t.calls.get(name, 0) + 1
+
+    return wrapper
+
+
+def report(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
+    rows = []
+    for v, got in results.items():
+        runs: dict[str, list[float]] = {}
+        for r in got:
+            if "run" in r:
+                runs.setdefault(r["run"], []).append(r["output_tok_per_s"])
+        free = statistics.median(runs.get("unconstrained, same lengths", [0])) or None
+        for run, vals in runs.items():
+            med = statistics.median(vals)
+            rows.append(
+                {
+                    "variant": v,
+                    "run": run,
+                    "output_tok_per_s": vals,
+                    "median": med,
+                    "vs_unconstrained": round(med / free, 3) if free else None,
+                }
+            )
+    (out / "guided-raw.json").write_text(json.dumps({"rows": rows, "raw": results}, indent=2))
+    print(
+        "| variant | run | output tok/s per round | median | vs unconstrained |\n"
+        "|---|---|---|---|---|"
+    )
+    for r in rows:
+        print(
+            f"| {r['variant']} | {r['run']} | "
+            f"{' / '.join(f'{x:,.0f}' for x in r['output_tok_per_s'])} | {r['median']:,.0f} | "
+            f"{r['vs_unconstrained']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
