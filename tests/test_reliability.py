@@ -121,6 +121,11 @@ def _done(client: Client, batch: str) -> int:
     return st.done if st else 0
 
 
+def _in_flight(client: Client, batch: str) -> int:
+    """Jobs started (their first delivery recorded) and not yet finished."""
+    return int(client.store.r.hlen(client.store.key(batch, "attempts"))) - _done(client, batch)
+
+
 def test_kill_9_mid_batch_then_restart(private_redis: PrivateRedis) -> None:
     # Given a worker (fake engine) halfway through a 200-job batch
     client = _client(private_redis.url)
@@ -128,6 +133,9 @@ def test_kill_9_mid_batch_then_restart(private_redis: PrivateRedis) -> None:
     w.wait_ready(client.store.r, timeout=120)
     batch = client.submit_many(_jobs(200)).id
     wait_for(lambda: _done(client, batch) >= 60, 120, "60 results")
+    # (the fake engine ends jobs together on its ticks, and between a tick's results and the next
+    # jobs' start nothing is in flight: kill when some job has started and not finished)
+    wait_for(lambda: _in_flight(client, batch) > 0, 30, "a job in flight", interval=0.005)
 
     # When it is killed with SIGKILL and started again
     os.killpg(w.proc.pid, signal.SIGKILL)
