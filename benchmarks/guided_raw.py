@@ -104,6 +104,7 @@ def child(a: argparse.Namespace, path: Path) -> None:
     from worker.prompts import build_messages, render
     from worker.structured import generation_schema
 
+    from .step_timers import install_timers
     from .workloads import SCHEMAS, WORDS
 
     path.unlink(missing_ok=True)
@@ -114,12 +115,13 @@ def child(a: argparse.Namespace, path: Path) -> None:
             f.write(json.dumps(row) + "\n")
 
     settings = Settings(_env_file=None)
-    timers = _install_timers() if a.child == "inproc" else None
     t0 = time.perf_counter()
     kwargs = engine_kwargs(settings, a.model)
     if a.child == "parallel-sync":
         kwargs["async_scheduling"] = False
     llm = LLM(**kwargs)
+    # after the engine exists, so the timers wrap whatever the plugin put in place
+    timers = install_timers() if a.child == "inproc" else None
     emit({"variant": a.child, "engine_start_s": round(time.perf_counter() - t0, 1)})
     tok = llm.get_tokenizer()
     rng = random.Random(7)
@@ -207,75 +209,6 @@ def child(a: argparse.Namespace, path: Path) -> None:
         if timers is not None:
             row["engine_ms"] = timers.report()
         emit(row)
-
-
-class _Timers:
-    def __init__(self) -> None:
-        self.total: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-
-    def clear(self) -> None:
-        self.total.clear()
-        self.calls.clear()
-
-    def report(self) -> dict[str, dict[str, float]]:
-        return {
-            k: {
-                "calls": self.calls[k],
-                "total_ms": round(v * 1e3, 1),
-                "mean_ms": round(v * 1e3 / max(1, self.calls[k]), 3),
-            }
-            for k, v in self.total.items()
-        }
-
-
-def _install_timers() -> _Timers:
-    """Wall time per call of the engine step's parts, in an in-process engine (attribution only:
-    the frontend shares the process, so absolute speed is not the worker's)."""
-    import importlib
-
-    t = _Timers()
-    spots = [
-        ("vllm.v1.engine.core", "EngineCore", ["step", "step_with_batch_queue"]),
-        (
-            "vllm.v1.core.sched.scheduler",
-            "Scheduler",
-            ["schedule", "update_from_output", "get_grammar_bitmask"],
-        ),
-        (
-            "vllm.v1.core.sched.async_scheduler",
-            "AsyncScheduler",
-            ["schedule", "update_from_output"],
-        ),
-        ("vllm.v1.structured_output", "StructuredOutputManager", ["grammar_init"]),
-        ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ["execute_model", "sample_tokens"]),
-    ]
-    for mod, cls, names in spots:
-        try:
-            c = getattr(importlib.import_module(mod), cls)
-        except (ImportError, AttributeError):
-            continue
-        for n in names:
-            if n in c.__dict__:
-                setattr(c, n, _timed(t, f"{cls}.{n}", c.__dict__[n]))
-    try:
-        m = importlib.import_module("vllm.v1.worker.gpu_model_runner")
-        m.apply_grammar_bitmask = _timed(t, "apply_grammar_bitmask", m.apply_grammar_bitmask)
-    except (ImportError, AttributeError):
-        pass
-    return t
-
-
-def _timed(t: _Timers, name: str, fn: Any) -> Any:
-    def wrapper(*args: Any, **kw: Any) -> Any:
-        s = time.perf_counter()
-        try:
-            return fn(*args, **kw)
-        finally:
-            t.total[name] = t.total.get(name, 0.0) + time.perf_counter() - s
-            t.calls[name] = t.calls.get(name, 0) + 1
-
-    return wrapper
 
 
 def report(results: dict[str, list[dict[str, Any]]], out: Path) -> None:

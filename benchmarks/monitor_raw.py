@@ -3,6 +3,11 @@ loaded, running the same prompts idle (no request watched) and watching every re
 no token reaches), alternated.
 
     python -m benchmarks.monitor_raw --model /tmp/models/qwen05 --out $OUT
+    python -m benchmarks.monitor_raw --model /tmp/models/qwen05 --out $OUT --timers
+
+With ``--timers`` the engines run in-process and every row carries the mean time per call of the
+step's parts, the monitor's ``apply`` and ``update_state`` among them: host time only, so a part
+whose cost is on the device shows as a difference in the step, not in its own line.
 
 Both engines are built from the worker's own engine arguments, each in its own process. Figures
 are appended to monitor-raw.jsonl as they come, so a cut-short run keeps what it measured.
@@ -28,6 +33,11 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1000)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--timers",
+        action="store_true",
+        help="in-process engines with the step's parts timed (benchmarks/step_timers.py)",
+    )
     ap.add_argument("--child", choices=["off", "on"], help=argparse.SUPPRESS)
     a = ap.parse_args()
     out = Path(a.out)
@@ -39,6 +49,8 @@ def main() -> None:
     log.unlink(missing_ok=True)
     for c in ("off", "on"):
         env = dict(os.environ, VQUEUE_CONFIDENCE_MONITOR="true" if c == "on" else "false")
+        if a.timers:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         subprocess.run(
             [
                 sys.executable,
@@ -56,6 +68,7 @@ def main() -> None:
                 str(a.tokens),
                 "--rounds",
                 str(a.rounds),
+                *(["--timers"] if a.timers else []),
             ],
             env=env,
             check=False,
@@ -91,6 +104,11 @@ def child(a: argparse.Namespace, log: Path) -> None:
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(Settings(_env_file=None), a.model))
     emit({"engine": a.child, "engine_start_s": round(time.perf_counter() - t0, 1)})
+    timers = None
+    if a.timers:
+        from .step_timers import install_timers
+
+        timers = install_timers()
     tok = llm.get_tokenizer()
     board = ConfidenceBoard() if a.child == "on" else None
     marker = len(tok) - 1
@@ -106,6 +124,8 @@ def child(a: argparse.Namespace, log: Path) -> None:
             if watch and board is not None:
                 extra = request_args(board, board.slot(), Monitor(-1000.0, 2, 4, True), marker)
             params.append(SamplingParams(**base, extra_args=extra, stop_token_ids=[marker]))
+        if timers is not None:
+            timers.clear()
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         return a.jobs / (time.perf_counter() - t)
@@ -118,7 +138,10 @@ def child(a: argparse.Namespace, log: Path) -> None:
     )
     for r in range(a.rounds):
         for name, watch in modes:
-            emit({"round": r + 1, "run": name, "jobs_per_s": round(run(watch), 2)})
+            row: dict[str, Any] = {"round": r + 1, "run": name, "jobs_per_s": round(run(watch), 2)}
+            if timers is not None:
+                row["engine_ms"] = timers.report()
+            emit(row)
     if board is not None:
         board.close()
 

@@ -121,6 +121,14 @@ def _done(client: Client, batch: str) -> int:
     return st.done if st else 0
 
 
+def _mid_tick(delay: float) -> None:
+    """Wait for the middle of the fake engine's tick. Its jobs end together on multiples of the
+    delay (wall clock) and the next ones start right after, so a signal sent just after a tick
+    could find nothing in flight, or race a job starting; mid-tick, jobs are running and none
+    is starting."""
+    time.sleep((delay * 1.5 - time.time() % delay) % delay)
+
+
 def _in_flight(client: Client, batch: str) -> int:
     """Jobs started (their first delivery recorded) and not yet finished."""
     return int(client.store.r.hlen(client.store.key(batch, "attempts"))) - _done(client, batch)
@@ -133,9 +141,8 @@ def test_kill_9_mid_batch_then_restart(private_redis: PrivateRedis) -> None:
     w.wait_ready(client.store.r, timeout=120)
     batch = client.submit_many(_jobs(200)).id
     wait_for(lambda: _done(client, batch) >= 60, 120, "60 results")
-    # (the fake engine ends jobs together on its ticks, and between a tick's results and the next
-    # jobs' start nothing is in flight: kill when some job has started and not finished)
-    wait_for(lambda: _in_flight(client, batch) > 0, 30, "a job in flight", interval=0.005)
+    _mid_tick(0.3)
+    assert _in_flight(client, batch) > 0
 
     # When it is killed with SIGKILL and started again
     os.killpg(w.proc.pid, signal.SIGKILL)
@@ -235,6 +242,7 @@ def test_sigterm_drains_then_next_worker_finishes(private_redis: PrivateRedis) -
     a.wait_ready(client.store.r, timeout=120)
     batch = client.submit_many(_jobs(40)).id
     wait_for(lambda: _done(client, batch) >= 8, 120, "8 results")
+    _mid_tick(1.0)
 
     # When it gets SIGTERM
     sigterm_at = time.time()
