@@ -95,6 +95,8 @@ class WorkerProc:
         env.setdefault("VQUEUE_METRICS_PORT", str(self.metrics_port))
         ARTIFACTS.mkdir(exist_ok=True)
         self.log_path = ARTIFACTS / f"worker-{name}.log"
+        if self.log_path.exists():  # a restarted worker of the same name keeps its first log
+            self.log_path.replace(self.log_path.with_suffix(".prev.log"))
         self.log = open(self.log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "producer.cli", "worker", "-n", f"{name}@test", "-l", "INFO"],
