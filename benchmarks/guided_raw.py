@@ -173,42 +173,40 @@ def child(a: argparse.Namespace, path: Path) -> None:
         return bad
 
     llm.generate(prompts[:64], guided[:64], use_tqdm=False)  # warm-up: grammars, masks, graphs
-    for r in range(a.rounds):
-        wall, lengths = timed(guided)
+
+    def measure(r: int, run: str, params: list[Any], more: Any = dict) -> list[int]:
+        wall, lengths = timed(params)
         row = {
             "variant": a.child,
             "round": r + 1,
-            "run": "guided",
+            "run": run,
             "wall_s": round(wall, 3),
             "jobs_per_s": round(a.jobs / wall, 2),
             "output_tokens": sum(lengths),
             "output_tok_per_s": round(sum(lengths) / wall),
-            "at_max_tokens": sum(1 for n in lengths if n >= a.max_tokens),
-            "grammar_violations": violations(),
-            "digest": hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:12],
+            **more(lengths),
         }
         if timers is not None:
             row["engine_ms"] = timers.report()
         emit(row)
+        return lengths
+
+    def checked(lengths: list[int]) -> dict[str, Any]:
+        return {
+            "at_max_tokens": sum(1 for n in lengths if n >= a.max_tokens),
+            "grammar_violations": violations(),
+            "digest": hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:12],
+        }
+
+    for r in range(a.rounds):
+        lengths = measure(r, "guided", guided, checked)
         free = [
             SamplingParams(
                 max_tokens=max(1, n), min_tokens=max(1, n), ignore_eos=True, temperature=0.0
             )
             for n in lengths
         ]
-        wall, got = timed(free)
-        row = {
-            "variant": a.child,
-            "round": r + 1,
-            "run": "unconstrained, same lengths",
-            "wall_s": round(wall, 3),
-            "jobs_per_s": round(a.jobs / wall, 2),
-            "output_tokens": sum(got),
-            "output_tok_per_s": round(sum(got) / wall),
-        }
-        if timers is not None:
-            row["engine_ms"] = timers.report()
-        emit(row)
+        measure(r, "unconstrained, same lengths", free)
 
 
 def report(results: dict[str, list[dict[str, Any]]], out: Path) -> None:

@@ -12,8 +12,11 @@ from typing import Any
 
 SPOTS = [
     ("vllm.v1.engine.core", "EngineCore", ["step", "step_with_batch_queue"]),
-    ("vllm.v1.core.sched.scheduler", "Scheduler", ["schedule", "update_from_output"]),
-    ("vllm.v1.core.sched.scheduler", "Scheduler", ["get_grammar_bitmask"]),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler",
+        ["schedule", "update_from_output", "get_grammar_bitmask"],
+    ),
     ("vllm.v1.core.sched.async_scheduler", "AsyncScheduler", ["schedule", "update_from_output"]),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ["execute_model", "sample_tokens"]),
     ("vllm.v1.sample.sampler", "Sampler", ["forward"]),

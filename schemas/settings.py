@@ -67,8 +67,9 @@ class Settings(BaseSettings):
     # each distinct JSON Schema is compiled once by the worker, bounded by this; a schema that
     # takes longer fails its jobs with schema_compile_timeout (worker/structured.py)
     schema_compile_timeout_s: float = Field(default=10.0, gt=0)
-    # vqueue's vLLM plugin (worker/engine.py: vllm_plugin) fills guided decoding's token masks
-    # with llguidance's parallel executor instead of vLLM's Python loop
+    # vqueue's vLLM plugin (worker/engine.py: vllm_plugin) batches guided decoding's per-request
+    # work in the engine step: masks filled and matchers advanced by llguidance off the GIL,
+    # mask rows put in batch order on the device; same tokens as vLLM's own path
     parallel_grammar_masks: bool = True
 
     # -- worker process

@@ -358,7 +358,7 @@ def vllm_plugin() -> None:
     runs it in each of its processes, including the engine core, where the changes have to be.
 
     Each change keeps vLLM's results and is skipped where vLLM's internals look different from
-    the version it was written against: guided decoding's masks filled in parallel
+    the version it was written against: guided decoding's per-request work batched
     (``worker.structured``), and the confidence monitor no longer making vLLM gather every
     request's output token ids before each step (``worker.confidence``).
     """
@@ -367,8 +367,8 @@ def vllm_plugin() -> None:
     except Exception:  # a broken VQUEUE_* variable is the worker's to report, not vLLM's
         s = None
     from .confidence import install_output_ids_opt_out
-    from .structured import install_parallel_masks
+    from .structured import install_batched_guided_step
 
     if s is None or s.parallel_grammar_masks:
-        install_parallel_masks()
+        install_batched_guided_step()
     install_output_ids_opt_out()

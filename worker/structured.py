@@ -238,7 +238,7 @@ def apply_template(job: ExtractJob, templates: Templates | None) -> tuple[Extrac
 
 
 # -- guided decoding inside the engine ---------------------------------------------------------
-def install_parallel_masks() -> None:
+def install_batched_guided_step() -> None:
     """Take the per-request Python out of guided decoding's engine step (from the vLLM plugin in
     ``worker.engine``, in every vLLM process). Measured in docs/benchmarks.md.
 
@@ -261,7 +261,7 @@ def install_parallel_masks() -> None:
         return
     if getattr(StructuredOutputManager.grammar_bitmask, "__vqueue__", False):
         return
-    StructuredOutputManager.grammar_bitmask = _parallel_grammar_bitmask(  # type: ignore[method-assign]
+    StructuredOutputManager.grammar_bitmask = _batched_grammar_bitmask(  # type: ignore[method-assign]
         StructuredOutputManager.grammar_bitmask
     )
     _defer_accepts(GuidanceGrammar)
@@ -340,7 +340,7 @@ def _flushing(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def _parallel_grammar_bitmask(stock: Callable[..., Any]) -> Callable[..., Any]:
+def _batched_grammar_bitmask(stock: Callable[..., Any]) -> Callable[..., Any]:
     import llguidance.torch
 
     def grammar_bitmask(self: Any, requests: Any, request_ids: list[str], spec_tokens: Any) -> Any:
