@@ -91,3 +91,139 @@ def test_batched_guided_step_gives_the_same_tokens(tmp_path: Path) -> None:
     assert rows["stock"]["output_tokens"] > 16 * 10
     assert rows["parallel"]["digest"] == rows["stock"]["digest"]
     assert rows["stock"]["grammar_violations"] == rows["parallel"]["grammar_violations"] == 0
+
+
+KERNEL_CHECK = """
+import torch
+from worker.confidence import _step, _triton_step
+
+torch.manual_seed(0)
+rows, vocab = 8, 1000
+table = torch.zeros((rows, 8))
+table[:, 7] = torch.arange(rows).float()
+for i in range(6):  # watched: on, threshold -2, window 2, grace 1, abort, marker 999, not fresh
+    table[i, :7] = torch.tensor([1.0, -2.0, 2, 1, 1.0, 999, 0.0])
+table[2, 6] = 1.0  # no output token yet: counters restart
+table[4, 4] = 0.0  # the last attempt: watched, never aborted
+table[3, 7], table[5, 7] = 5, -1  # after moves: row 3's state was row 5's; row 5 is new
+state = torch.rand((rows, 5)) * 3
+state[:, 0] = torch.tensor([0, 3, 5, 1, 4, 2, 0, 0]).float()
+state[:, 3] = torch.tensor([0, 1, 1, 2, 1, 0, 0, 0]).float()
+state[:, 4] = 0.0
+forced = 0
+for gather in (0, 1):
+    x = torch.randn((rows, vocab)) * 4
+    x[1, :500] = float("-inf")  # a grammar mask
+    x[0] = 0.0  # flat: top-1 logprob is -log(vocab)
+    xk, xe = x.clone(), x.clone()
+    sk, se = state.clone(), state.clone()
+    dk = torch.zeros_like(sk) if gather else sk
+    de = torch.zeros_like(se) if gather else se
+    _triton_step()[(7,)](xk, xk.stride(0), vocab, sk, dk, table, gather, BLOCK=256)
+    _step(xe[:7], se, de, table)
+    on = table[:7, 0] > 0
+    assert torch.allclose(dk[:7][on], de[:7][on], atol=1e-4), (gather, dk, de)
+    assert torch.equal(xk[:7][on], xe[:7][on]), gather
+    forced += int((xk[:7, 999] == 1e9).sum())
+assert forced > 0
+print("same")
+"""
+
+
+def test_the_monitor_kernel_matches_the_eager_step() -> None:
+    # Given the monitor's Triton kernel, run by Triton's interpreter on the CPU, and the eager
+    # step the CPU engine uses, on the same rows: moved, new, restarting, masked with -inf,
+    # watched without abort, and unwatched
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    # When both take a step, in place and gathering after moves
+    run = subprocess.run(
+        [sys.executable, "-c", KERNEL_CHECK], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    # Then every watched row has the same counters and the same logits, marker forced included
+    assert run.returncode == 0 and "same" in run.stdout, run.stderr[-3000:]
+
+
+def test_the_monitor_keeps_each_requests_counters_through_batch_changes(tmp_path: Path) -> None:
+    # Given a monitor on the CPU and requests that join, leave, move and swap rows between steps,
+    # as vLLM reports them
+    from enum import Enum
+    from types import SimpleNamespace
+
+    import torch
+
+    from worker.confidence import ConfidenceBoard, ConfidenceMonitor, Monitor, request_args
+
+    Move = Enum("Move", "SWAP UNIDIRECTIONAL")
+    rows, vocab, marker = 6, 50, 49
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=rows),
+        model_config=SimpleNamespace(get_vocab_size=lambda: vocab),
+    )
+    board = ConfidenceBoard(str(tmp_path))
+    mon = ConfidenceMonitor(config, torch.device("cpu"), False)
+    slots = {name: board.slot() for name in "abcd"}
+    rules = {n: Monitor(-1000.0, 2, 0, True) for n in "abc"} | {"d": Monitor(0.0, 2, 1, True)}
+    outputs: dict[str, list[int]] = {n: [] for n in "abcd"}
+    seen: dict[str, list[float]] = {n: [] for n in "abcd"}
+    at: dict[int, str] = {}
+    forced: list[str] = []
+    rng = torch.Generator().manual_seed(3)
+
+    def change(added: dict[int, str] | None = None, removed: tuple = (), moved: tuple = ()) -> None:
+        added = added or {}
+        for i in removed:
+            del at[i]
+        for i, n in added.items():
+            at[i] = n
+        for a, b, kind in moved:
+            if kind is Move.SWAP:
+                at[a], at[b] = at[b], at[a]
+            else:
+                at[b] = at.pop(a)
+        mon.update_state(
+            SimpleNamespace(
+                removed=list(removed),
+                added=[
+                    (
+                        i,
+                        SimpleNamespace(extra_args=request_args(board, slots[n], rules[n], marker)),
+                        None,
+                        outputs[n],
+                    )
+                    for i, n in added.items()
+                ],  # fmt: skip
+                moved=list(moved),
+            )
+        )
+
+    def step() -> None:
+        b = max(at) + 1
+        logits = torch.randn((b, vocab), generator=rng) * 3
+        top1 = torch.log_softmax(logits, dim=-1).max(dim=-1).values
+        mon.apply(logits)
+        for i, n in at.items():
+            seen[n].append(float(top1[i]))
+            outputs[n].append(1)
+            if logits[i, marker] == 1e9:
+                forced.append(n)
+
+    # When they run through adds, a removal with a move into the gap, a swap and a new arrival
+    change(added={0: "a", 1: "b", 2: "c"})
+    step()
+    step()
+    change(removed=(1,), moved=((2, 1, Move.UNIDIRECTIONAL),), added={2: "d"})
+    step()
+    change(moved=((0, 1, Move.SWAP),))
+    step()
+    step()
+    # Then each request's numbers are its own tokens' top-1 logprobs, wherever its row was
+    for n, values in seen.items():
+        got = board.read(slots[n], len(values), wait_s=0)
+        assert got.tokens == len(values), n
+        assert got.min_logprob == pytest.approx(min(values), abs=1e-4), n
+        assert got.mean_logprob == pytest.approx(sum(values) / len(values), abs=1e-4), n
+    # and the rule fired only for the request whose threshold every token misses: at its
+    # second token (window 2, past a grace of 1), and at every step after
+    assert forced == ["d", "d"] and board.read(slots["d"], 0, wait_s=0).fired
+    assert not any(board.read(slots[n], 0, wait_s=0).fired for n in "abc")
+    board.close()

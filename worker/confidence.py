@@ -2,9 +2,9 @@
 
 Asking vLLM for ``logprobs`` costs 44% of throughput on the GPU (a full log-softmax, a top-k and
 a host copy per token, then Python objects per token in the frontend). The monitor instead runs
-inside the engine step as a vLLM logits processor: per monitored row it takes one max and one
-logsumexp over the logits (the top-1 logprob), keeps running counters on the device, and never
-synchronizes with the host.
+inside the engine step as a vLLM logits processor: per monitored row it reads the logits once
+for the top-1 logprob (max minus logsumexp), keeps running counters on the device, and never
+synchronizes with the host. On a GPU that is one Triton kernel per step.
 
 When a row's top-1 logprob stays under the threshold for ``window`` consecutive tokens past the
 grace period, the monitor forces the row's next token to a *marker* token that the request lists
@@ -13,8 +13,8 @@ marker), so the slot is free at once and the frontend learns why without any sid
 
 The per-attempt numbers (tokens seen, sum and minimum of the top-1 logprob, whether the rule
 fired) go to a small memory-mapped file, one row per attempt slot, which the worker reads when
-the request finishes. On a GPU the copy runs on a background thread after the step's event, so the
-step itself never waits for it.
+the request finishes. On a GPU the counters are copied to pinned memory without waiting, and a
+background thread writes them to the file once the copy has landed.
 
 Signal: the top-1 logprob of the raw distribution (after the grammar mask, before temperature,
 penalties and top-p). It measures how sure the model is of its best next token; the sampled
@@ -153,16 +153,21 @@ def _base() -> type:
 class ConfidenceMonitor(_base()):  # type: ignore[misc]
     """The engine's side, loaded by vLLM from ``logits_processors``; see the module docstring.
 
-    Everything per step is a handful of batched tensor ops: the batch's changes (vLLM reports
-    each add, removal and move) are folded on the host into one row permutation and one
-    settings table, which reach the device as two asynchronous copies from pinned memory; the
-    host never waits for the device.
+    The engine step is host-bound on a small model, so the monitor is built to cost the step as
+    few host microseconds as possible. A steady step (no request added, removed or moved) is one
+    kernel launch, one asynchronous copy of the counters to pinned memory and an event: the
+    batch's changes are folded on the host into one table (settings and where each row's state
+    comes from), which reaches the device as one asynchronous copy only when it changed, and the
+    kernel reads each row's logits once (an online max and sum) and updates its counters and the
+    marker in place. The host never waits for the device.
     """
 
-    # settings columns (host table, copied to the device when the batch changes)
-    ON, THRESHOLD, WINDOW, GRACE, ABORT, MARKER = range(6)
+    # settings table columns: on, threshold, window, grace, abort, marker, fresh (no output token
+    # yet: counters restart), src (the row its state comes from after moves; -1: a new row)
+    ON, THRESHOLD, WINDOW, GRACE, ABORT, MARKER, FRESH, SRC = range(8)
     # state columns (device): tokens seen, sum of top-1 logprobs, min, low streak, fired
     N, SUM, MIN, STREAK, FIRED = range(5)
+    RING = 16  # pinned buffers the counters are copied to, written out by a thread
 
     def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
         import torch
@@ -170,36 +175,38 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
         self.torch = torch
         self.device = device
         self.rows = rows = vllm_config.scheduler_config.max_num_seqs
-        self.pin = bool(is_pin_memory)
-        self.settings = torch.zeros((rows, 6), dtype=torch.float32)
-        self.d_settings = self.settings.to(device)
+        self.table = np.zeros((rows, 8), dtype=np.float32)
+        self.table[:, self.SRC] = np.arange(rows)
+        self.d_table = torch.from_numpy(self.table.copy()).to(device)
         self.state = torch.zeros((rows, 5), dtype=torch.float32, device=device)
+        self.spare = torch.zeros_like(self.state)  # the gather after moves writes here
         self.slots = np.full(rows, -1, dtype=np.int64)
         self.file_ids = np.full(rows, -1, dtype=np.int64)
         self.files: list[str] = []
         self.outputs: list[list[int] | None] = [None] * rows
         self.prefilling: set[int] = set()  # rows with no output token yet
-        self.src = np.arange(rows)  # where each row's state comes from; -1: a fresh row
         self.active = 0
-        self.changed = False
+        self.changed = False  # the table must go to the device (and counters follow its src)
+        self.watched = np.zeros(0, dtype=np.int64)  # rows with a slot, as of the last upload
         self.maps: dict[int, Any] = {}
-        self._no_fresh = torch.zeros(rows, dtype=torch.bool, device=device)
         self.cuda = getattr(device, "type", str(device)) == "cuda"
-        self._step = _step
+        self._kernel: Any = None
         if self.cuda:
-            # one fused kernel for the vocabulary reductions and the counters, instead of a
-            # dozen passes and launches; compiled here, at engine start, not on a job's step
             try:
-                compiled = torch.compile(_step, dynamic=True, fullgraph=True)
-                vocab = vllm_config.model_config.get_vocab_size()
-                for b in (1, 2, 3):  # 1 is specialized; 3 settles the dynamic batch size
-                    probe = torch.zeros((b, vocab), device=device)
-                    compiled(probe, self.state[:b], self.d_settings[:b], self._no_fresh[:b])
-                self._step = compiled
+                self._kernel = _triton_step()
+                probe = torch.zeros((2, vllm_config.model_config.get_vocab_size()), device=device)
+                for src in (self.state, self.spare):  # compile both now, not on a job's step
+                    self._launch(probe, src, self.state, 0)
             except Exception as exc:  # eager is correct, only slower
-                log.warning("confidence monitor: torch.compile failed (%s); running eager", exc)
-        if self.cuda:  # host copies land in pinned buffers, written out by a thread
-            self.pending: queue.Queue[Any] = queue.Queue(maxsize=64)
+                log.warning("confidence monitor: no Triton kernel (%s); running eager", exc)
+                self._kernel = None
+            self.ring = torch.zeros((self.RING, rows, 5), dtype=torch.float32).pin_memory()
+            # blocking: the writer sleeps until the copy lands; a spinning wait would poll the
+            # driver, whose lock every kernel launch of the engine step also takes
+            self.events = [torch.cuda.Event(blocking=True) for _ in range(self.RING)]
+            self.turn = 0
+            # at most RING - 2 copies wait, so a buffer is never reused while being read
+            self.pending: queue.Queue[Any] = queue.Queue(maxsize=self.RING - 2)
             threading.Thread(target=self._writer, name="vqueue-confidence", daemon=True).start()
 
     def is_argmax_invariant(self) -> bool:
@@ -230,10 +237,10 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
             self.active -= 1
             self.changed = True
         self.slots[i] = -1
-        self.settings[i, self.ON] = 0.0
+        self.table[i, self.ON] = 0.0
+        self.table[i, self.SRC] = -1.0
         self.outputs[i] = None
         self.prefilling.discard(i)
-        self.src[i] = -1
 
     def _add(self, i: int, args: dict[str, Any], output: list[int]) -> None:
         path = str(args["file"])
@@ -241,20 +248,18 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
             self.files.append(path)
         self.file_ids[i] = self.files.index(path)
         self.slots[i] = int(args["slot"])
-        self.settings[i] = self.torch.tensor(
-            [1.0, args["threshold"], args["window"], args["grace"], args["abort"], args["marker"]]
-        )
+        self.table[i, : self.SRC] = (1.0, args["threshold"], args["window"], args["grace"],
+                                     args["abort"], args["marker"], 1.0)  # fmt: skip
+        self.table[i, self.SRC] = -1.0
         self.outputs[i] = output
         self.prefilling.add(i)
-        self.src[i] = -1
         self.active += 1
         self.changed = True
 
     def _move(self, a: int, b: int, swap: bool) -> None:
         if swap:
             pair, rev = [a, b], [b, a]
-            self.settings[pair] = self.settings[rev]
-            for arr in (self.slots, self.file_ids, self.src):
+            for arr in (self.table, self.slots, self.file_ids):
                 arr[pair] = arr[rev]
             self.outputs[a], self.outputs[b] = self.outputs[b], self.outputs[a]
             pa, pb = a in self.prefilling, b in self.prefilling
@@ -263,11 +268,10 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
         else:  # a's request now lives at b; a is empty
             if self.slots[b] >= 0:
                 self.active -= 1
-            self.settings[b] = self.settings[a]
-            self.settings[a, self.ON] = 0.0
-            for arr in (self.slots, self.file_ids, self.src):
+            for arr in (self.table, self.slots, self.file_ids):
                 arr[b] = arr[a]
-            self.slots[a], self.src[a] = -1, -1
+            self.table[a, self.ON], self.table[a, self.SRC] = 0.0, -1.0
+            self.slots[a] = -1
             self.outputs[b], self.outputs[a] = self.outputs[a], None
             if a in self.prefilling:
                 self.prefilling.add(b)
@@ -276,70 +280,65 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
             self.prefilling.discard(a)
         self.changed = True
 
-    def _to_device(self, host: Any) -> Any:
-        if self.cuda:  # a pinned copy per transfer: the caching host allocator keeps it alive
-            return host.pin_memory().to(self.device, non_blocking=True)
-        return host
-
     # -- the step ------------------------------------------------------------------------------
     def apply(self, logits: Any) -> Any:
         if self.active <= 0 and not self.changed:
             return logits
-        torch = self.torch
-        if self.changed:  # one gather follows every move since the last step; new rows start at 0
-            src = torch.from_numpy(self.src)
-            idx = self._to_device(src)
-            kept = self.state[idx.clamp(min=0)]
-            self.state = torch.where((idx >= 0).unsqueeze(1), kept, torch.zeros_like(kept))
-            self.d_settings = self._to_device(self.settings.clone())
-            self.src = np.arange(self.rows)
+        if self.prefilling:  # a row's first token came out of the last step: stop restarting it
+            started = [i for i in self.prefilling if self.outputs[i]]
+            if started:
+                self.prefilling.difference_update(started)
+                self.table[started, self.FRESH] = 0.0
+                self.changed = True
+        gather = self.changed
+        if self.changed:
+            self.d_table = self._to_device(self.table)
+            self.table[:, self.SRC] = np.arange(self.rows)  # from now on each row is its own
+            self.watched = np.nonzero(self.slots >= 0)[0]
             self.changed = False
         if self.active <= 0:
             return logits
         b = logits.shape[0]
-        # a row with no output token yet is prefilling (perhaps one chunk of several): whatever
-        # it computed so far is discarded, so its counters restart until the first token
-        fresh = self._no_fresh[:b]
-        if self.prefilling:
-            started = [i for i in self.prefilling if self.outputs[i]]
-            self.prefilling.difference_update(started)
-            if self.prefilling:
-                mask = torch.zeros(self.rows, dtype=torch.bool)
-                mask[list(self.prefilling)] = True
-                fresh = self._to_device(mask)[:b]
-        x = logits[:b]
-        try:
-            st, force = self._step(x, self.state[:b], self.d_settings[:b], fresh)
-        except Exception as exc:  # a recompile gone wrong must not take the engine down
-            if self._step is _step:
-                raise
-            log.warning("confidence monitor: compiled step failed (%s); running eager", exc)
-            self._step = _step
-            st, force = _step(x, self.state[:b], self.d_settings[:b], fresh)
-        self.state[:b] = st
-        # the marker outweighs every other token by far, so greedy, sampling, top-p and
-        # penalties all pick it; one scatter, not a pass over the whole vocabulary
-        marker = self.d_settings[:b, self.MARKER].long().unsqueeze(1)
-        keep = x.gather(1, marker)
-        x.scatter_(1, marker, torch.where(force.unsqueeze(1), torch.full_like(keep, 1e9), keep))
-        rows = np.nonzero(self.slots[:b] >= 0)[0]
-        slots, files = self.slots[rows], self.file_ids[rows]
-        table = st
-        if self.cuda:
-            host = torch.empty(table.shape, dtype=torch.float32, pin_memory=self.pin)
-            host.copy_(table, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            self.pending.put((done, host, rows, slots, files))
+        if gather:  # new rows start at zero, moved rows bring their counters along
+            src, dst = self.state, self.spare
+            self.state, self.spare = dst, src
         else:
-            self._write(table.numpy(), rows, slots, files)
+            src = dst = self.state
+        self._launch(logits, src, dst, b)
+        rows = self.watched[self.watched < b]
+        slots, files = self.slots[rows], self.file_ids[rows]
+        if self.cuda:
+            turn, self.turn = self.turn, (self.turn + 1) % self.RING
+            self.ring[turn, :b].copy_(dst[:b], non_blocking=True)
+            self.events[turn].record()
+            self.pending.put((turn, rows, slots, files))
+        else:
+            self._write(dst.numpy(), rows, slots, files)
         return logits
+
+    def _to_device(self, host: Any) -> Any:
+        t = self.torch.from_numpy(host.copy())
+        if self.cuda:  # a pinned copy per transfer: the caching host allocator keeps it alive
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _launch(self, logits: Any, src: Any, dst: Any, b: int) -> None:
+        """The step for rows ``[:b]``: counters from ``src`` (by the table's src column when it
+        is not ``dst``) to ``dst``, and the marker forced where the rule fires."""
+        if self._kernel is not None and logits.stride(1) == 1:
+            b = b or logits.shape[0]
+            self._kernel[(b,)](
+                logits, logits.stride(0), logits.shape[1], src, dst, self.d_table,
+                int(src.data_ptr() != dst.data_ptr()), BLOCK=4096, num_warps=8,
+            )  # fmt: skip
+            return
+        _step(logits[: b or None], src, dst, self.d_table)
 
     def _writer(self) -> None:
         while True:
-            done, host, rows, slots, files = self.pending.get()
-            done.synchronize()
-            self._write(host.numpy(), rows, slots, files)
+            turn, rows, slots, files = self.pending.get()
+            self.events[turn].synchronize()
+            self._write(self.ring[turn].numpy(), rows, slots, files)
 
     def _write(self, table: Any, rows: Any, slots: Any, files: Any) -> None:
         values = table[rows][:, [self.N, self.SUM, self.MIN, self.FIRED]]
@@ -388,17 +387,21 @@ def install_output_ids_opt_out() -> None:
     InputBatch.__init__ = __init__  # type: ignore[method-assign]
 
 
-def _step(x: Any, st: Any, cfg: Any, fresh: Any) -> tuple[Any, Any]:
-    """One step of the rule for every row: the new counters, and which rows to abort now.
-
-    ``st`` columns: tokens seen, sum of top-1 logprobs, min, low streak, fired; ``cfg``: on,
-    threshold, window, grace, abort, marker. A ``fresh`` row (no output token yet) restarts.
-    """
+def _step(x: Any, src: Any, dst: Any, table: Any) -> None:
+    """The rule for every row of ``x``, eagerly (the CPU, or no Triton): ``_triton_step``'s
+    twin, which the tests hold it to. ``table`` columns are ``ConfidenceMonitor``'s."""
     import torch
 
+    b = x.shape[0]
+    cfg = table[:b]
+    if src.data_ptr() != dst.data_ptr():
+        at = cfg[:, 7].long()
+        st = torch.where((at >= 0).unsqueeze(1), src[at.clamp(min=0)], torch.zeros_like(src[:b]))
+    else:
+        st = src[:b]
+    st = torch.where((cfg[:, 6] > 0).unsqueeze(1), torch.zeros_like(st), st)
     m = x.amax(dim=-1)
     top1 = -torch.log(torch.exp(x - m.unsqueeze(1)).sum(dim=-1))  # max - logsumexp
-    st = torch.where(fresh.unsqueeze(1), torch.zeros_like(st), st)
     n, total, low, streak, fired = st.unbind(1)
     low = torch.where(n == 0, top1, torch.minimum(low, top1))
     total = total + top1
@@ -406,4 +409,71 @@ def _step(x: Any, st: Any, cfg: Any, fresh: Any) -> tuple[Any, Any]:
     streak = torch.where(top1 < cfg[:, 1], streak + 1.0, torch.zeros_like(streak))
     hit = (cfg[:, 0] > 0) & (streak >= cfg[:, 2]) & (n > cfg[:, 3])
     fired = torch.maximum(fired, hit.float())
-    return torch.stack([n, total, low, streak, fired], dim=1), hit & (cfg[:, 4] > 0)
+    dst[:b] = torch.stack([n, total, low, streak, fired], dim=1)
+    force = hit & (cfg[:, 4] > 0)
+    # the marker outweighs every other token by far, so greedy, sampling, top-p and penalties
+    # all pick it
+    marker = cfg[:, 5].long().unsqueeze(1)
+    keep = x.gather(1, marker)
+    x.scatter_(1, marker, torch.where(force.unsqueeze(1), torch.full_like(keep, 1e9), keep))
+
+
+_TRITON: Any = None
+
+
+def _triton_step() -> Any:
+    """The rule as one Triton kernel, one program per row: a single pass over the row's logits
+    (online max and sum of exponentials), then the counters and the marker. Built on first use,
+    so importing this module never needs Triton."""
+    global _TRITON
+    if _TRITON is not None:
+        return _TRITON
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[misc]
+    def step(x_ptr, x_stride, vocab, src_ptr, dst_ptr, cfg_ptr, gather, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        row = tl.program_id(0)
+        cfg = cfg_ptr + row * 8
+        if tl.load(cfg) > 0:  # watched rows only: the others cost nothing
+            base = x_ptr + row.to(tl.int64) * x_stride
+            neg = float("-inf")
+            mx = tl.full([BLOCK], neg, tl.float32)
+            acc = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, vocab, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                v = tl.load(base + offs, mask=offs < vocab, other=neg).to(tl.float32)
+                new = tl.maximum(mx, v)
+                safe = tl.where(new == neg, 0.0, new)  # a lane masked so far adds nothing
+                acc = acc * tl.exp(mx - safe) + tl.exp(v - safe)
+                mx = new
+            top = tl.max(mx, axis=0)
+            total_exp = tl.sum(acc * tl.exp(mx - tl.where(top == neg, 0.0, top)), axis=0)
+            top1 = -tl.log(total_exp)  # max - logsumexp
+            at = row
+            if gather:
+                at = tl.load(cfg + 7).to(tl.int32)
+            st = src_ptr + at * 5
+            keep = (at >= 0) & (tl.load(cfg + 6) == 0)
+            n = tl.where(keep, tl.load(st, mask=at >= 0, other=0.0), 0.0)
+            total = tl.where(keep, tl.load(st + 1, mask=at >= 0, other=0.0), 0.0)
+            low = tl.where(keep, tl.load(st + 2, mask=at >= 0, other=0.0), 0.0)
+            streak = tl.where(keep, tl.load(st + 3, mask=at >= 0, other=0.0), 0.0)
+            fired = tl.where(keep, tl.load(st + 4, mask=at >= 0, other=0.0), 0.0)
+            low = tl.where(n == 0, top1, tl.minimum(low, top1))
+            total = total + top1
+            n = n + 1.0
+            streak = tl.where(top1 < tl.load(cfg + 1), streak + 1.0, 0.0)
+            hit = (streak >= tl.load(cfg + 2)) & (n > tl.load(cfg + 3))
+            fired = tl.maximum(fired, tl.where(hit, 1.0, 0.0))
+            out = dst_ptr + row * 5
+            tl.store(out, n)
+            tl.store(out + 1, total)
+            tl.store(out + 2, low)
+            tl.store(out + 3, streak)
+            tl.store(out + 4, fired)
+            if hit & (tl.load(cfg + 4) > 0):
+                tl.store(base + tl.load(cfg + 5).to(tl.int64), 1e9)
+
+    _TRITON = step
+    return step
