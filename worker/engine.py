@@ -370,5 +370,5 @@ def vllm_plugin() -> None:
     from .structured import install_batched_guided_step
 
     if s is None or s.parallel_grammar_masks:
-        install_batched_guided_step()
+        install_batched_guided_step(s.grammar_threads if s is not None else 0)
     install_output_ids_opt_out()

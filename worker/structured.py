@@ -238,7 +238,7 @@ def apply_template(job: ExtractJob, templates: Templates | None) -> tuple[Extrac
 
 
 # -- guided decoding inside the engine ---------------------------------------------------------
-def install_batched_guided_step() -> None:
+def install_batched_guided_step(threads: int = 0) -> None:
     """Take the per-request Python out of guided decoding's engine step (from the vLLM plugin in
     ``worker.engine``, in every vLLM process). Measured in docs/benchmarks.md.
 
@@ -261,6 +261,7 @@ def install_batched_guided_step() -> None:
         return
     if getattr(StructuredOutputManager.grammar_bitmask, "__vqueue__", False):
         return
+    _Batched.threads = threads or grammar_threads()
     StructuredOutputManager.grammar_bitmask = _batched_grammar_bitmask(  # type: ignore[method-assign]
         StructuredOutputManager.grammar_bitmask
     )
@@ -276,6 +277,17 @@ def install_batched_guided_step() -> None:
     )
 
 
+def grammar_threads() -> int:
+    """The default thread count for the masks: half the cores this process may use, at most 8.
+    On the H200 host (16 cores) 12 threads were no better than 8 (docs/benchmarks.md): the
+    engine's own loop, its output thread and the frontend need cores too."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 2
+    return max(1, min(8, cores // 2))
+
+
 class _Batched:
     """The engine process's llguidance executor and the tokens its matchers still have to take.
 
@@ -284,6 +296,7 @@ class _Batched:
     """
 
     pending: list[tuple[Any, int]] = []  # (GuidanceGrammar, token) accepted but not yet consumed
+    threads = 1
     _executors: dict[int, Any] = {}
 
     @classmethod
@@ -292,9 +305,7 @@ class _Batched:
 
         ex = cls._executors.get(os.getpid())
         if ex is None:
-            ex = cls._executors[os.getpid()] = llguidance.LLExecutor(
-                max(1, min(8, (os.cpu_count() or 2) // 2))
-            )
+            ex = cls._executors[os.getpid()] = llguidance.LLExecutor(cls.threads)
         return ex
 
     @classmethod
