@@ -2,7 +2,7 @@
 guided-decoding step (``stock``), with vqueue's plugin batching it (``parallel``, see
 worker/structured.py), the same with vLLM's asynchronous scheduling off (``parallel-sync``), and
 the plugin in an in-process engine that times the engine step's parts (``inproc``, attribution
-only).
+only). ``VARIANT@N`` runs a variant with ``VQUEUE_GRAMMAR_THREADS=N``.
 
     python -m benchmarks.guided_raw --model /tmp/models/qwen05 --out $OUT
 
@@ -38,12 +38,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.child:
-        child(a, out / f"guided-{a.child}.jsonl")
+        child(a, out / f"guided-{a.child.replace('@', '-t')}.jsonl")
         return
     env = dict(
         os.environ,
@@ -51,6 +51,9 @@ def main() -> None:
     )
     results: dict[str, list[dict[str, Any]]] = {}
     for v in a.variants.split(","):
+        kind, _, threads = v.partition("@")
+        if kind not in VARIANTS:
+            ap.error(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}, optionally @THREADS")
         cmd = [
             sys.executable,
             "-m",
@@ -68,12 +71,14 @@ def main() -> None:
             "--rounds",
             str(a.rounds),
         ]
-        venv = dict(env, VQUEUE_PARALLEL_GRAMMAR_MASKS="false" if v == "stock" else "true")
-        if v == "inproc":
+        venv = dict(env, VQUEUE_PARALLEL_GRAMMAR_MASKS="false" if kind == "stock" else "true")
+        if threads:
+            venv["VQUEUE_GRAMMAR_THREADS"] = threads
+        if kind == "inproc":
             venv["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         print(f"-- {v}", file=sys.stderr, flush=True)
         subprocess.run(cmd, env=venv, check=False)
-        f = out / f"guided-{v}.jsonl"
+        f = out / f"guided-{v.replace('@', '-t')}.jsonl"
         results[v] = [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
         report(results, out)
 
@@ -117,11 +122,11 @@ def child(a: argparse.Namespace, path: Path) -> None:
     settings = Settings(_env_file=None)
     t0 = time.perf_counter()
     kwargs = engine_kwargs(settings, a.model)
-    if a.child == "parallel-sync":
+    if a.child.startswith("parallel-sync"):
         kwargs["async_scheduling"] = False
     llm = LLM(**kwargs)
     # after the engine exists, so the timers wrap whatever the plugin put in place
-    timers = install_timers() if a.child == "inproc" else None
+    timers = install_timers() if a.child.startswith("inproc") else None
     emit({"variant": a.child, "engine_start_s": round(time.perf_counter() - t0, 1)})
     tok = llm.get_tokenizer()
     rng = random.Random(7)
@@ -174,7 +179,7 @@ def child(a: argparse.Namespace, path: Path) -> None:
 
     llm.generate(prompts[:64], guided[:64], use_tqdm=False)  # warm-up: grammars, masks, graphs
 
-    def measure(r: int, run: str, params: list[Any], more: Any = dict) -> list[int]:
+    def measure(r: int, run: str, params: list[Any], more: Any = None) -> list[int]:
         wall, lengths = timed(params)
         row = {
             "variant": a.child,
@@ -184,7 +189,7 @@ def child(a: argparse.Namespace, path: Path) -> None:
             "jobs_per_s": round(a.jobs / wall, 2),
             "output_tokens": sum(lengths),
             "output_tok_per_s": round(sum(lengths) / wall),
-            **more(lengths),
+            **(more(lengths) if more else {}),
         }
         if timers is not None:
             row["engine_ms"] = timers.report()
