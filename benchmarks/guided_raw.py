@@ -203,25 +203,38 @@ def child(a: argparse.Namespace, path: Path) -> None:
             "digest": hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:12],
         }
 
-    for r in range(a.rounds):
-        lengths = measure(r, "guided", guided, checked)
-        free = [
+    def unconstrained(lengths: list[int]) -> list[Any]:
+        return [
             SamplingParams(
                 max_tokens=max(1, n), min_tokens=max(1, n), ignore_eos=True, temperature=0.0
             )
             for n in lengths
         ]
-        measure(r, "unconstrained, same lengths", free)
+
+    lengths: list[int] = []
+    for r in range(a.rounds):
+        # guided and unconstrained swap places every round, so a device that drifts during the
+        # run does not always favour the same one; an unconstrained run that goes first takes
+        # the lengths of the last guided run
+        if r % 2 == 0 or not lengths:
+            lengths = measure(r, "guided", guided, checked)
+            measure(r, "unconstrained, same lengths", unconstrained(lengths))
+        else:
+            measure(r, "unconstrained, same lengths", unconstrained(lengths))
+            lengths = measure(r, "guided", guided, checked)
 
 
 def report(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for v, got in results.items():
         runs: dict[str, list[float]] = {}
         for r in got:
             if "run" in r:
                 runs.setdefault(r["run"], []).append(r["output_tok_per_s"])
         free = statistics.median(runs.get("unconstrained, same lengths", [0])) or None
+        # the steadier figure: each round's guided run against the unconstrained run beside it
+        guided, free_runs = runs.get("guided", []), runs.get("unconstrained, same lengths", [])
+        pairs = [g / u for g, u in zip(guided, free_runs, strict=False)]
         for run, vals in runs.items():
             med = statistics.median(vals)
             rows.append(
@@ -231,18 +244,20 @@ def report(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
                     "output_tok_per_s": vals,
                     "median": med,
                     "vs_unconstrained": round(med / free, 3) if free else None,
+                    "paired": [round(x, 3) for x in pairs] if run == "guided" else None,
                 }
             )
     (out / "guided-raw.json").write_text(json.dumps({"rows": rows, "raw": results}, indent=2))
     print(
-        "| variant | run | output tok/s per round | median | vs unconstrained |\n"
-        "|---|---|---|---|---|"
+        "| variant | run | output tok/s per round | median | vs unconstrained | per round |\n"
+        "|---|---|---|---|---|---|"
     )
     for r in rows:
+        paired = " / ".join(f"{x:.2f}" for x in r["paired"] or [])
         print(
             f"| {r['variant']} | {r['run']} | "
             f"{' / '.join(f'{x:,.0f}' for x in r['output_tok_per_s'])} | {r['median']:,.0f} | "
-            f"{r['vs_unconstrained']} |"
+            f"{r['vs_unconstrained']} | {paired} |"
         )
 
 
