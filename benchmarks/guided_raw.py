@@ -127,7 +127,15 @@ def child(a: argparse.Namespace, path: Path) -> None:
     llm = LLM(**kwargs)
     # after the engine exists, so the timers wrap whatever the plugin put in place
     timers = install_timers() if a.child.startswith("inproc") else None
-    emit({"variant": a.child, "engine_start_s": round(time.perf_counter() - t0, 1)})
+    emit(
+        {
+            "variant": a.child,
+            "engine_start_s": round(time.perf_counter() - t0, 1),
+            # with it loaded vLLM 0.26 runs its V1 model runner; VQUEUE_CONFIDENCE_MONITOR=false
+            # lets models that default to V2 run there
+            "confidence_monitor": settings.confidence_monitor,
+        }
+    )
     tok = llm.get_tokenizer()
     rng = random.Random(7)
     prompts, guided = [], []
