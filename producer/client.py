@@ -78,13 +78,19 @@ class Batch:
         deadline = None if timeout is None else time.monotonic() + timeout
         store = self.client.store
         while True:
-            page = store.read(self.id, after, block_ms=1000)
+            # Whether the batch is complete is asked *before* reading: a worker stores a result
+            # and counts it in one script, so once the counts say complete every result is in
+            # the stream, and this read sees them all. Asked after an empty read instead, a
+            # result stored in between was counted but never read.
+            sealed = store.is_sealed(self.id)  # first: once sealed, the total is final
+            st = self.status()
+            complete = sealed and st.done >= st.total
+            page = store.read(self.id, after, block_ms=None if complete else 1000)
             for after, res in page:
                 self.last_entry = after
                 yield res
             if not page:
-                st = self.status()
-                if store.is_sealed(self.id) and st.done >= st.total:
+                if complete:
                     return
                 if deadline is not None and time.monotonic() > deadline:
                     raise WaitTimeout(f"batch {self.id}: {st.remaining} jobs still running")
@@ -328,14 +334,21 @@ class AsyncClient:
         stream, after = store.key(batch, "results"), "0-0"
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            resp = await self._r.xread({stream: after}, count=1000, block=1000)
-            entries = resp[0][1] if resp else []
+            # complete is judged before the read, as in ``Batch.results``
+            sealed = await self._r.hget(store.key(batch), "sealed") == "1"
+            st = await self.status(batch)
+            complete = sealed and st.done >= st.total
+            if complete:
+                low = f"({after}" if after != "0-0" else "-"
+                entries = await self._r.xrange(stream, min=low, count=1000)
+            else:
+                resp = await self._r.xread({stream: after}, count=1000, block=1000)
+                entries = resp[0][1] if resp else []
             for entry_id, fields in entries:
                 after = entry_id  # resume point for the next read
                 yield JobResult.model_validate_json(fields["result"])
             if not entries:
-                st = await self.status(batch)
-                if await self._r.hget(store.key(batch), "sealed") == "1" and st.done >= st.total:
+                if complete:
                     return
                 if deadline is not None and time.monotonic() > deadline:
                     raise WaitTimeout(f"batch {batch}: {st.remaining} jobs still running")

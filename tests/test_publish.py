@@ -1,4 +1,5 @@
-"""The producer writes Celery's protocol-v2 messages itself; they must equal Celery's own."""
+"""The producer's side of Redis: the Celery protocol-v2 messages it writes itself must equal
+Celery's own, and its reader must see every result a worker stores."""
 
 from __future__ import annotations
 
@@ -57,3 +58,36 @@ def test_message_matches_what_celery_and_kombu_write(redis_client: redis.Redis) 
         decoded = [channel.Message(m, channel=channel).decode() for m in (ours, theirs)]
     assert decoded[0] == decoded[1]
     assert decoded[0][0][0]["job"]["id"] == "a1"
+
+
+def test_a_result_stored_while_the_reader_waits_is_never_skipped(redis_client: redis.Redis) -> None:
+    # Given a sealed batch of one job, and a worker that stores its result at the worst moment:
+    # just after the reader's wait for results has come back empty (a real race, seen in CI)
+    import uuid
+
+    from producer import Client
+    from schemas import JobResult, Timings
+
+    client = Client(make_settings("vqtest-race"))
+    store, batch = client.store, f"race-{uuid.uuid4().hex[:8]}"
+    store.create(batch, "vqueue")
+    store.claim(batch, ["j1"])
+    store.seal(batch)
+    result = JobResult(id="j1", batch=batch, type="summarize", status="completed", text="ok",
+                       timings=Timings(enqueued_at=1.0))  # fmt: skip
+    read = store.read
+
+    def read_then_worker_records(*args: object, **kwargs: object) -> object:
+        page = read(*args, **kwargs)  # type: ignore[arg-type]
+        if not page and not store.status(batch).done:  # type: ignore[union-attr]
+            store.record(result)
+        return page
+
+    store.read = read_then_worker_records  # type: ignore[method-assign]
+    try:
+        # When the batch's results are read to the end
+        got = list(client.batch(batch).results(timeout=30))
+    finally:
+        store.delete(batch)
+    # Then the result is among them
+    assert [r.id for r in got] == ["j1"]
