@@ -190,6 +190,7 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
         self.watched = np.zeros(0, dtype=np.int64)  # rows with a slot, as of the last upload
         self.maps: dict[int, Any] = {}
         self.cuda = getattr(device, "type", str(device)) == "cuda"
+        self.pin = self.cuda and bool(is_pin_memory)
         self._kernel: Any = None
         if self.cuda:
             try:
@@ -200,7 +201,9 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
             except Exception as exc:  # eager is correct, only slower
                 log.warning("confidence monitor: no Triton kernel (%s); running eager", exc)
                 self._kernel = None
-            self.ring = torch.zeros((self.RING, rows, 5), dtype=torch.float32).pin_memory()
+            self.ring = torch.zeros((self.RING, rows, 5), dtype=torch.float32)
+            if self.pin:  # vLLM says where pinned memory is unavailable (WSL); copies then wait
+                self.ring = self.ring.pin_memory()
             # blocking: the writer sleeps until the copy lands; a spinning wait would poll the
             # driver, whose lock every kernel launch of the engine step also takes
             self.events = [torch.cuda.Event(blocking=True) for _ in range(self.RING)]
@@ -318,9 +321,9 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
 
     def _to_device(self, host: Any) -> Any:
         t = self.torch.from_numpy(host.copy())
-        if self.cuda:  # a pinned copy per transfer: the caching host allocator keeps it alive
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        if self.pin:  # a pinned copy per transfer: the caching host allocator keeps it alive
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=self.pin)
 
     def _launch(self, logits: Any, src: Any, dst: Any, b: int) -> None:
         """The step for rows ``[:b]``: counters from ``src`` (by the table's src column when it
