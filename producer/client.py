@@ -77,23 +77,24 @@ class Batch:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         store = self.client.store
+        complete = False
         while True:
-            # Whether the batch is complete is asked *before* reading: a worker stores a result
-            # and counts it in one script, so once the counts say complete every result is in
-            # the stream, and this read sees them all. Asked after an empty read instead, a
-            # result stored in between was counted but never read.
-            sealed = store.is_sealed(self.id)  # first: once sealed, the total is final
-            st = self.status()
-            complete = sealed and st.done >= st.total
             page = store.read(self.id, after, block_ms=None if complete else 1000)
             for after, res in page:
                 self.last_entry = after
                 yield res
-            if not page:
-                if complete:
-                    return
-                if deadline is not None and time.monotonic() > deadline:
-                    raise WaitTimeout(f"batch {self.id}: {st.remaining} jobs still running")
+            if page:
+                continue
+            if complete:
+                return
+            # A worker stores a result and counts it in one script, so once the counts say
+            # complete every result is in the stream; one more read takes any stored since the
+            # empty wait above (returning here instead lost them).
+            sealed = store.is_sealed(self.id)  # first: once sealed, the total is final
+            st = self.status()
+            complete = sealed and st.done >= st.total
+            if not complete and deadline is not None and time.monotonic() > deadline:
+                raise WaitTimeout(f"batch {self.id}: {st.remaining} jobs still running")
 
     def wait(self, timeout: float | None = None, poll_s: float = 0.5) -> BatchStatus:
         """Block until every job of the batch has a result; returns the final counters."""
@@ -333,11 +334,8 @@ class AsyncClient:
         store = self._sync.store
         stream, after = store.key(batch, "results"), "0-0"
         deadline = None if timeout is None else time.monotonic() + timeout
+        complete = False
         while True:
-            # complete is judged before the read, as in ``Batch.results``
-            sealed = await self._r.hget(store.key(batch), "sealed") == "1"
-            st = await self.status(batch)
-            complete = sealed and st.done >= st.total
             if complete:
                 low = f"({after}" if after != "0-0" else "-"
                 entries = await self._r.xrange(stream, min=low, count=1000)
@@ -347,11 +345,16 @@ class AsyncClient:
             for entry_id, fields in entries:
                 after = entry_id  # resume point for the next read
                 yield JobResult.model_validate_json(fields["result"])
-            if not entries:
-                if complete:
-                    return
-                if deadline is not None and time.monotonic() > deadline:
-                    raise WaitTimeout(f"batch {batch}: {st.remaining} jobs still running")
+            if entries:
+                continue
+            if complete:
+                return
+            # as in ``Batch.results``: once complete, one more read before returning
+            sealed = await self._r.hget(store.key(batch), "sealed") == "1"
+            st = await self.status(batch)
+            complete = sealed and st.done >= st.total
+            if not complete and deadline is not None and time.monotonic() > deadline:
+                raise WaitTimeout(f"batch {batch}: {st.remaining} jobs still running")
 
     async def result(self, batch: str, job_id: str, timeout: float | None = None) -> JobResult:
         return await asyncio.to_thread(self._sync.batch(batch).result, job_id, timeout)
