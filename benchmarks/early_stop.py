@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from benchmarks import plugin_env
 from schemas import JobResult, Settings
 
 from .gpu_suite import launch_worker, stop
@@ -106,7 +106,7 @@ def main() -> None:
         if not monitor and "cost" not in todo:
             continue
         env = dict(
-            os.environ,
+            plugin_env(),
             VQUEUE_BROKER_URL=a.redis,
             VQUEUE_QUEUE="es",
             VQUEUE_MODEL=a.model,

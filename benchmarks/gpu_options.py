@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import plugin_env
 from schemas import Settings
 
 from .gpu_suite import launch_worker, pct, stop
@@ -68,7 +69,7 @@ def main() -> None:
     r = redis.Redis.from_url(a.redis)
     r.flushdb()
     env = dict(
-        os.environ,
+        plugin_env(),
         VQUEUE_BROKER_URL=a.redis,
         VQUEUE_QUEUE="opts",
         VQUEUE_MODEL=a.model,

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import plugin_env
 from schemas import CodegenJob, Settings
 
 from .gpu_suite import launch_worker, stop
@@ -55,7 +55,7 @@ def run_once(a: argparse.Namespace, label: str, on: bool, jobs: list[dict[str, A
     r = redis.Redis.from_url(a.redis)
     r.flushdb()
     env = dict(
-        os.environ,
+        plugin_env(),
         VQUEUE_BROKER_URL=a.redis,
         VQUEUE_QUEUE="prefix",
         VQUEUE_MODEL=a.model,

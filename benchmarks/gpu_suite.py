@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from benchmarks import plugin_env
 from schemas import Job, Settings
 
 from . import workloads as wl
@@ -242,7 +242,7 @@ def run_vqueue(a: argparse.Namespace) -> list[dict[str, Any]]:
     r.flushdb()
     loads = build(a.model, a.scale, a.workloads)
     env = dict(
-        os.environ,
+        plugin_env(),
         VQUEUE_BROKER_URL=url,
         VQUEUE_QUEUE="bench",
         VQUEUE_MODEL=a.model,

@@ -17,15 +17,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks import plugin_env
 
 VARIANTS = ("stock", "parallel", "parallel-sync", "inproc")
 
@@ -45,10 +45,7 @@ def main() -> None:
     if a.child:
         child(a, out / f"guided-{a.child.replace('@', '-t')}.jsonl")
         return
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [_plugin_path(), os.environ.get("PYTHONPATH")])),
-    )
+    env = plugin_env()
     results: dict[str, list[dict[str, Any]]] = {}
     for v in a.variants.split(","):
         kind, _, threads = v.partition("@")
@@ -81,23 +78,6 @@ def main() -> None:
         f = out / f"guided-{v.replace('@', '-t')}.jsonl"
         results[v] = [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
         report(results, out)
-
-
-def _plugin_path() -> str | None:
-    """Where vqueue is not pip-installed (the GPU host runs it from PYTHONPATH), its vLLM plugin
-    entry point has no dist-info to be found by; write one so the engine process loads it."""
-    from importlib.metadata import entry_points
-
-    if any(e.name == "vqueue" for e in entry_points(group="vllm.general_plugins")):
-        return None
-    d = Path(tempfile.mkdtemp(prefix="vqueue-ep-"))
-    info = d / "vqueue_plugin-0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vqueue-plugin\nVersion: 0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nvqueue = worker.engine:vllm_plugin\n"
-    )
-    return str(d)
 
 
 def child(a: argparse.Namespace, path: Path) -> None:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks import plugin_env
 
 
 def main() -> None:
@@ -48,7 +49,7 @@ def main() -> None:
         return
     log.unlink(missing_ok=True)
     for c in ("off", "on"):
-        env = dict(os.environ, VQUEUE_CONFIDENCE_MONITOR="true" if c == "on" else "false")
+        env = plugin_env() | {"VQUEUE_CONFIDENCE_MONITOR": "true" if c == "on" else "false"}
         if a.timers:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         subprocess.run(
@@ -125,17 +126,22 @@ def child(a: argparse.Namespace, log: Path) -> None:
     base = dict(max_tokens=a.tokens, min_tokens=a.tokens, ignore_eos=True, temperature=0.0)
 
     def run(watch: bool) -> float:
-        params = []
+        params, slots = [], []
         for _ in prompts:
             extra = None
             if watch and board is not None:
-                extra = request_args(board, board.slot(), Monitor(-1000.0, 2, 4, True), marker)
+                slots.append(board.slot())
+                extra = request_args(board, slots[-1], Monitor(-1000.0, 2, 4, True), marker)
             params.append(SamplingParams(**base, extra_args=extra, stop_token_ids=[marker]))
         if timers is not None:
             timers.clear()
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        return a.jobs / (time.perf_counter() - t)
+        rate = a.jobs / (time.perf_counter() - t)
+        if slots and board is not None:  # the monitor saw every token of every request
+            seen = sum(board.read(s, a.tokens, wait_s=0.05).tokens == a.tokens for s in slots)
+            emit({"check": "every token seen", "requests": len(slots), "ok": seen})
+        return rate
 
     run(board is not None)  # warm-up
     modes = (
@@ -152,6 +158,24 @@ def child(a: argparse.Namespace, log: Path) -> None:
                 row["engine_ms"] = timers.report()
             emit(row)
     if board is not None:
+        # and it fires: a threshold every token misses aborts each request once past the
+        # grace period and the window (4 + 2 tokens), through the marker
+        slots = [board.slot() for _ in prompts[:64]]
+        rule = Monitor(1000.0, 2, 4, True)
+        free = dict(max_tokens=a.tokens, ignore_eos=True, temperature=0.0)  # min_tokens would
+        params = [  # hold the marker back, as it holds back every stop token
+            SamplingParams(**free, stop_token_ids=[marker],
+                           extra_args=request_args(board, s, rule, marker))
+            for s in slots
+        ]  # fmt: skip
+        outs = llm.generate(prompts[:64], params, use_tqdm=False)
+        emit({
+            "check": "aborts at the window",
+            "requests": len(outs),
+            "stopped_by_marker": sum(o.outputs[0].stop_reason == marker for o in outs),
+            "tokens": sorted({len(o.outputs[0].token_ids) for o in outs}),
+            "fired": sum(board.read(s, 0, wait_s=0.05).fired for s in slots),
+        })  # fmt: skip
         board.close()
 
 

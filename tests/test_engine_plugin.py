@@ -98,49 +98,112 @@ import torch
 from worker.confidence import _step, _triton_step
 
 torch.manual_seed(0)
-rows, vocab = 8, 1000
-table = torch.zeros((rows, 8))
-table[:, 7] = torch.arange(rows).float()
-for i in range(6):  # watched: on, threshold -2, window 2, grace 1, abort, marker 999, not fresh
-    table[i, :7] = torch.tensor([1.0, -2.0, 2, 1, 1.0, 999, 0.0])
-table[2, 6] = 1.0  # no output token yet: counters restart
+slots, vocab = 8, 1000
+table = torch.zeros((slots, 9))
+table[:, 7] = -1.0
+for i in range(6):  # watched: on, threshold -2, window 2, grace 1, abort, marker 999; board 0
+    table[i] = torch.tensor([1.0, -2.0, 2, 1, 1.0, 999, 0.0, 0, 2 * i])
+table[2, 6] = 1.0  # fresh: its counters restart
+table[1, 6] = 1.0  # fresh and, with lengths, still prefilling: zeroed, not counted
 table[4, 4] = 0.0  # the last attempt: watched, never aborted
-table[3, 7], table[5, 7] = 5, -1  # after moves: row 3's state was row 5's; row 5 is new
-state = torch.rand((rows, 5)) * 3
-state[:, 0] = torch.tensor([0, 3, 5, 1, 4, 2, 0, 0]).float()
-state[:, 3] = torch.tensor([0, 1, 1, 2, 1, 0, 0, 0]).float()
-state[:, 4] = 0.0
+rows = torch.tensor([3, 0, -1, 5, 2, 1, 4, 6], dtype=torch.int32)  # row -> slot; slot 6 is off
+lens = torch.tensor([9, 9, 9, 9, 9, 3, 9, 9])  # positions: row 5 (slot 1) is short of its
+pre = torch.full((slots,), 5, dtype=torch.int32)  # prefill of 5 tokens
 forced = 0
-for gather in (0, 1):
-    x = torch.randn((rows, vocab)) * 4
+for has_lens in (False, True):
+    state = torch.rand((slots, 5)) * 3
+    state[:, 0] = torch.tensor([0, 3, 5, 1, 4, 2, 0, 0]).float()
+    state[:, 3] = torch.tensor([0, 1, 1, 2, 1, 0, 0, 0]).float()
+    state[:, 4] = 0.0
+    x = torch.randn((8, vocab)) * 4
     x[1, :500] = float("-inf")  # a grammar mask
     x[0] = 0.0  # flat: top-1 logprob is -log(vocab)
-    xk, xe = x.clone(), x.clone()
-    sk, se = state.clone(), state.clone()
-    dk = torch.zeros_like(sk) if gather else sk
-    de = torch.zeros_like(se) if gather else se
-    _triton_step()[(7,)](xk, xk.stride(0), vocab, sk, dk, table, gather, BLOCK=256)
-    _step(xe[:7], se, de, table)
-    on = table[:7, 0] > 0
-    assert torch.allclose(dk[:7][on], de[:7][on], atol=1e-4), (gather, dk, de)
-    assert torch.equal(xk[:7][on], xe[:7][on]), gather
-    forced += int((xk[:7, 999] == 1e9).sum())
+    xk, xe, sk, se = x.clone(), x.clone(), state.clone(), state.clone()
+    board = torch.zeros((16, 4))
+    boards = torch.tensor([board.data_ptr()], dtype=torch.int64)
+    ln, pr = (lens, pre) if has_lens else (rows, rows)
+    _triton_step()[(8,)](
+        xk, xk.stride(0), vocab, rows, ln, pr, sk, table, boards,
+        HAS_LENS=has_lens, BOARDS=True, BLOCK=256,
+    )
+    _step(xe, rows, lens if has_lens else None, pre if has_lens else None, se, table)
+    assert torch.allclose(sk, se, atol=1e-4), (has_lens, sk, se)
+    assert torch.equal(xk, xe), has_lens
+    for r, slot in enumerate(rows.tolist()):  # each counted row's numbers are on its board row
+        if slot >= 0 and table[slot, 0] > 0:
+            counted = not (has_lens and r == 5)
+            want = se[slot][[0, 1, 2, 4]] if counted else torch.zeros(4)
+            assert torch.allclose(board[2 * slot], want, atol=1e-4), (has_lens, r)
+    assert has_lens or float(se[1, 0]) > 0
+    assert not has_lens or float(se[1].abs().sum()) == 0  # zeroed, not counted
+    forced += int((xk[:, 999] == 1e9).sum())
 assert forced > 0
-print("same")
+print("same", forced)
 """
 
 
 def test_the_monitor_kernel_matches_the_eager_step() -> None:
     # Given the monitor's Triton kernel, run by Triton's interpreter on the CPU, and the eager
-    # step the CPU engine uses, on the same rows: moved, new, restarting, masked with -inf,
-    # watched without abort, and unwatched
+    # step the CPU engine uses, on the same rows: mapped to slots out of order, fresh, still
+    # prefilling, masked with -inf, watched without abort, unwatched and switched off
     env = dict(os.environ, TRITON_INTERPRET="1")
-    # When both take a step, in place and gathering after moves
+    # When both take a step, without and with the rows' positions
     run = subprocess.run(
         [sys.executable, "-c", KERNEL_CHECK], cwd=ROOT, env=env, capture_output=True, text=True
     )
-    # Then every watched row has the same counters and the same logits, marker forced included
+    # Then every slot has the same counters, every row the same logits (marker forced
+    # included), and the kernel wrote each counted row's numbers into the board itself
     assert run.returncode == 0 and "same" in run.stdout, run.stderr[-3000:]
+
+
+def test_the_v2_monitor_keeps_counters_by_slot_and_skips_prefill(tmp_path: Path) -> None:
+    # Given the monitor as Model Runner V2 drives it: requests keyed by the slot they hold for
+    # their whole stay, rows in any order, positions per row, each slot's prefill length
+    from types import SimpleNamespace
+
+    import torch
+
+    from worker.confidence import ConfidenceBoard, Monitor, SlotMonitor, request_args
+
+    vocab, marker = 50, 49
+    prefill = torch.full((4,), 5, dtype=torch.int32)
+    board = ConfidenceBoard(str(tmp_path))
+    mon = SlotMonitor(4, vocab, torch.device("cpu"), False, SimpleNamespace(gpu=prefill))
+    slots = {n: board.slot() for n in "abc"}
+    seen: dict[str, list[float]] = {n: [] for n in "abc"}
+    rng = torch.Generator().manual_seed(5)
+
+    def add(slot: int, n: str) -> None:
+        args = request_args(board, slots[n], Monitor(-1000.0, 2, 0, True), marker)
+        assert mon.add_request(slot, SimpleNamespace(extra_args=args))
+
+    def step(batch: list[tuple[int, str, int]]) -> None:  # (slot, name, position)
+        logits = torch.randn((len(batch), vocab), generator=rng)
+        top1 = torch.log_softmax(logits, dim=-1).max(dim=-1).values
+        rows = np.array([slot for slot, _, _ in batch], dtype=np.int32)
+        pos = torch.tensor([p for _, _, p in batch])
+        mon.apply(logits, torch.from_numpy(rows), rows, pos)
+        for i, (_, n, p) in enumerate(batch):
+            if p + 1 >= 5:  # its prefill is done: this row's token is kept
+                seen[n].append(float(top1[i]))
+
+    # When "a" prefills in two chunks while "b" decodes, the rows swap order, and "b" leaves
+    # and "c" takes its slot
+    add(2, "a")
+    add(0, "b")
+    step([(2, "a", 2), (0, "b", 4)])
+    step([(0, "b", 5), (2, "a", 4)])
+    add(0, "c")
+    step([(0, "c", 4), (2, "a", 5)])
+    # Then each request's numbers are its own kept tokens', never a chunk's or the slot's last
+    # occupant's
+    assert [len(seen[n]) for n in "abc"] == [2, 2, 1]
+    for n, values in seen.items():
+        got = board.read(slots[n], len(values), wait_s=0)
+        assert got.tokens == len(values), n
+        assert got.min_logprob == pytest.approx(min(values), abs=1e-4), n
+        assert got.mean_logprob == pytest.approx(sum(values) / len(values), abs=1e-4), n
+    board.close()
 
 
 def test_the_monitor_keeps_each_requests_counters_through_batch_changes(tmp_path: Path) -> None:

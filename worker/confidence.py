@@ -2,7 +2,7 @@
 
 Asking vLLM for ``logprobs`` costs 44% of throughput on the GPU (a full log-softmax, a top-k and
 a host copy per token, then Python objects per token in the frontend). The monitor instead runs
-inside the engine step as a vLLM logits processor: per monitored row it reads the logits once
+inside the engine step, on the logits before sampling: per watched row it reads the logits once
 for the top-1 logprob (max minus logsumexp), keeps running counters on the device, and never
 synchronizes with the host. On a GPU that is one Triton kernel per step.
 
@@ -13,20 +13,19 @@ marker), so the slot is free at once and the frontend learns why without any sid
 
 The per-attempt numbers (tokens seen, sum and minimum of the top-1 logprob, whether the rule
 fired) go to a small memory-mapped file, one row per attempt slot, which the worker reads when
-the request finishes. On a GPU the counters are copied to pinned memory without waiting, and a
-background thread writes them to the file once the copy has landed.
+the request finishes. On a GPU the kernel writes them there itself: the engine registers the
+file's pages with CUDA, so the device writes host memory directly.
 
 Signal: the top-1 logprob of the raw distribution (after the grammar mask, before temperature,
 penalties and top-p). It measures how sure the model is of its best next token; the sampled
 token's logprob would also drop whenever temperature sampling picks a tail token, which is the
-sampler's doing, not the model's, and it is only known after sampling, outside this interface.
+sampler's doing, not the model's, and it is only known after sampling.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import tempfile
 import threading
 import time
@@ -150,174 +149,134 @@ def _base() -> type:
     return LogitsProcessor
 
 
-class ConfidenceMonitor(_base()):  # type: ignore[misc]
-    """The engine's side, loaded by vLLM from ``logits_processors``; see the module docstring.
+class _Watch:
+    """The monitor's state and step, kept per *request slot*: an index a request holds for its
+    whole stay in the engine (Model Runner V2's own request index; V1's adapter hands them out),
+    so reordering the batch never moves a counter. Each step gets the row -> slot mapping.
 
-    The engine step is host-bound on a small model, so the monitor is built to cost the step as
-    few host microseconds as possible. A steady step (no request added, removed or moved) is one
-    kernel launch, one asynchronous copy of the counters to pinned memory and an event: the
-    batch's changes are folded on the host into one table (settings and where each row's state
-    comes from), which reaches the device as one asynchronous copy only when it changed, and the
-    kernel reads each row's logits once (an online max and sum) and updates its counters and the
-    marker in place. The host never waits for the device.
+    The engine step is host-bound on a small model, so a steady step costs the host one kernel
+    launch and nothing else: request settings live in a host table that reaches the device as
+    one asynchronous copy only on steps where it changed, and on a GPU the kernel writes each
+    watched row's numbers straight into the worker's memory-mapped board (registered with CUDA
+    as host memory the device can write), so no copy, event or thread is needed to report them.
     """
 
-    # settings table columns: on, threshold, window, grace, abort, marker, fresh (no output token
-    # yet: counters restart), src (the row its state comes from after moves; -1: a new row)
-    ON, THRESHOLD, WINDOW, GRACE, ABORT, MARKER, FRESH, SRC = range(8)
+    # table columns: on, threshold, window, grace, abort, marker, fresh (counters restart), the
+    # board (index into the boards registered here, -1 none) and the row in it
+    ON, THRESHOLD, WINDOW, GRACE, ABORT, MARKER, FRESH, BOARD, ROW = range(9)
     # state columns (device): tokens seen, sum of top-1 logprobs, min, low streak, fired
     N, SUM, MIN, STREAK, FIRED = range(5)
-    RING = 16  # pinned buffers the counters are copied to, written out by a thread
 
-    def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
+    def __init__(self, slots: int, vocab: int, device: Any, pin: bool, lens: bool) -> None:
         import torch
 
         self.torch = torch
         self.device = device
-        self.rows = rows = vllm_config.scheduler_config.max_num_seqs
-        self.table = np.zeros((rows, 8), dtype=np.float32)
-        self.table[:, self.SRC] = np.arange(rows)
+        self.lens = lens  # rows come with their lengths; rows still prefilling are not counted
+        self.table = np.zeros((slots, 9), dtype=np.float32)
+        self.table[:, self.BOARD] = -1.0
+        self.on = np.zeros(slots, dtype=bool)
         self.d_table = torch.from_numpy(self.table.copy()).to(device)
-        self.state = torch.zeros((rows, 5), dtype=torch.float32, device=device)
-        self.spare = torch.zeros_like(self.state)  # the gather after moves writes here
-        self.slots = np.full(rows, -1, dtype=np.int64)
-        self.file_ids = np.full(rows, -1, dtype=np.int64)
-        self.files: list[str] = []
-        self.outputs: list[list[int] | None] = [None] * rows
-        self.prefilling: set[int] = set()  # rows with no output token yet
+        self.state = torch.zeros((slots, 5), dtype=torch.float32, device=device)
+        self.paths: list[str] = []
+        self.boards: list[Any] = []  # the workers' boards, memory-mapped
+        self.d_boards = torch.zeros(1, dtype=torch.int64, device=device)  # their device addresses
         self.active = 0
-        self.changed = False  # the table must go to the device (and counters follow its src)
-        self.watched = np.zeros(0, dtype=np.int64)  # rows with a slot, as of the last upload
-        self.maps: dict[int, Any] = {}
+        self.changed = False
         self.cuda = getattr(device, "type", str(device)) == "cuda"
-        self.pin = self.cuda and bool(is_pin_memory)
-        self._kernel: Any = None
+        self.pin = self.cuda and pin
+        self.kernel: Any = None
+        self.zero_copy = False  # the kernel writes the boards itself
         if self.cuda:
             try:
-                self._kernel = _triton_step()
-                probe = torch.zeros((2, vllm_config.model_config.get_vocab_size()), device=device)
-                for src in (self.state, self.spare):  # compile both now, not on a job's step
-                    self._launch(probe, src, self.state, 0)
+                self.kernel = _triton_step()
+                self.zero_copy = self._probe(vocab)
             except Exception as exc:  # eager is correct, only slower
                 log.warning("confidence monitor: no Triton kernel (%s); running eager", exc)
-                self._kernel = None
-            self.ring = torch.zeros((self.RING, rows, 5), dtype=torch.float32)
-            if self.pin:  # vLLM says where pinned memory is unavailable (WSL); copies then wait
-                self.ring = self.ring.pin_memory()
-            # blocking: the writer sleeps until the copy lands; a spinning wait would poll the
-            # driver, whose lock every kernel launch of the engine step also takes
-            self.events = [torch.cuda.Event(blocking=True) for _ in range(self.RING)]
-            self.turn = 0
-            # at most RING - 2 copies wait, so a buffer is never reused while being read
-            self.pending: queue.Queue[Any] = queue.Queue(maxsize=self.RING - 2)
-            threading.Thread(target=self._writer, name="vqueue-confidence", daemon=True).start()
+                self.kernel = None
+            if not self.zero_copy:
+                log.warning(
+                    "confidence monitor: the device cannot write the board directly; its "
+                    "numbers are copied to the host after every step, which waits for the step"
+                )
 
-    def is_argmax_invariant(self) -> bool:
-        return False  # forcing the marker changes greedy picks too
+    def watch(self, slot: int, args: dict[str, Any]) -> None:
+        """Start watching the request in ``slot``, its counters from zero."""
+        board = self._board(str(args["file"]))
+        self.table[slot] = (
+            1.0,
+            args["threshold"],
+            args["window"],
+            args["grace"],
+            args["abort"],
+            args["marker"],
+            1.0,
+            board,
+            args["slot"],
+        )
+        if not self.on[slot]:
+            self.on[slot] = True
+            self.active += 1
+        self.changed = True
 
-    @classmethod
-    def validate_params(cls, sampling_params: Any) -> None:
-        args = (sampling_params.extra_args or {}).get(KEY)
-        if args is not None and not isinstance(args, dict):
-            raise ValueError(f"extra_args[{KEY!r}] must be a dict")
-
-    # -- batch bookkeeping (host only) ---------------------------------------------------------
-    def update_state(self, batch_update: Any) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self._clear(index)
-        for index, params, _prompt, output in batch_update.added:
-            self._clear(index)
-            args = (params.extra_args or {}).get(KEY) if params is not None else None
-            if args:
-                self._add(index, args, output)
-        for a, b, direction in batch_update.moved:
-            self._move(a, b, swap=direction.name == "SWAP")
-
-    def _clear(self, i: int) -> None:
-        if self.slots[i] >= 0:
+    def drop(self, slot: int) -> None:
+        if self.on[slot]:
+            self.on[slot] = False
             self.active -= 1
+            self.table[slot, self.ON] = 0.0
             self.changed = True
-        self.slots[i] = -1
-        self.table[i, self.ON] = 0.0
-        self.table[i, self.SRC] = -1.0
-        self.outputs[i] = None
-        self.prefilling.discard(i)
 
-    def _add(self, i: int, args: dict[str, Any], output: list[int]) -> None:
-        path = str(args["file"])
-        if path not in self.files:
-            self.files.append(path)
-        self.file_ids[i] = self.files.index(path)
-        self.slots[i] = int(args["slot"])
-        self.table[i, : self.SRC] = (1.0, args["threshold"], args["window"], args["grace"],
-                                     args["abort"], args["marker"], 1.0)  # fmt: skip
-        self.table[i, self.SRC] = -1.0
-        self.outputs[i] = output
-        self.prefilling.add(i)
-        self.active += 1
-        self.changed = True
+    def started(self, slot: int) -> None:
+        """The request has its first output token: stop restarting its counters."""
+        if self.table[slot, self.FRESH]:
+            self.table[slot, self.FRESH] = 0.0
+            self.changed = True
 
-    def _move(self, a: int, b: int, swap: bool) -> None:
-        if swap:
-            pair, rev = [a, b], [b, a]
-            for arr in (self.table, self.slots, self.file_ids):
-                arr[pair] = arr[rev]
-            self.outputs[a], self.outputs[b] = self.outputs[b], self.outputs[a]
-            pa, pb = a in self.prefilling, b in self.prefilling
-            for i, p in ((a, pb), (b, pa)):
-                (self.prefilling.add if p else self.prefilling.discard)(i)
-        else:  # a's request now lives at b; a is empty
-            if self.slots[b] >= 0:
-                self.active -= 1
-            for arr in (self.table, self.slots, self.file_ids):
-                arr[b] = arr[a]
-            self.table[a, self.ON], self.table[a, self.SRC] = 0.0, -1.0
-            self.slots[a] = -1
-            self.outputs[b], self.outputs[a] = self.outputs[a], None
-            if a in self.prefilling:
-                self.prefilling.add(b)
-            else:
-                self.prefilling.discard(b)
-            self.prefilling.discard(a)
-        self.changed = True
-
-    # -- the step ------------------------------------------------------------------------------
-    def apply(self, logits: Any) -> Any:
-        if self.active <= 0 and not self.changed:
-            return logits
-        if self.prefilling:  # a row's first token came out of the last step: stop restarting it
-            started = [i for i in self.prefilling if self.outputs[i]]
-            if started:
-                self.prefilling.difference_update(started)
-                self.table[started, self.FRESH] = 0.0
-                self.changed = True
-        gather = self.changed
+    def step(
+        self, logits: Any, rows: Any, host_rows: Any, lens: Any = None, pre: Any = None
+    ) -> None:
+        """Watch rows ``[:len(logits)]``; ``rows`` maps each to its slot (-1: none) on the device
+        and ``host_rows`` on the host. With ``lens``, a row's position and ``pre`` each slot's
+        prefill length: a row still prefilling is not counted (its token is thrown away)."""
         if self.changed:
             self.d_table = self._to_device(self.table)
-            self.table[:, self.SRC] = np.arange(self.rows)  # from now on each row is its own
-            self.watched = np.nonzero(self.slots >= 0)[0]
             self.changed = False
-        if self.active <= 0:
-            return logits
         b = logits.shape[0]
-        if gather:  # new rows start at zero, moved rows bring their counters along
-            src, dst = self.state, self.spare
-            self.state, self.spare = dst, src
+        if self.kernel is not None and logits.stride(1) == 1:
+            self._launch(
+                logits, rows, lens, pre, self.state, self.d_table, self.d_boards, self.zero_copy
+            )
         else:
-            src = dst = self.state
-        self._launch(logits, src, dst, b)
-        rows = self.watched[self.watched < b]
-        slots, files = self.slots[rows], self.file_ids[rows]
-        if self.cuda:
-            turn, self.turn = self.turn, (self.turn + 1) % self.RING
-            self.ring[turn, :b].copy_(dst[:b], non_blocking=True)
-            self.events[turn].record()
-            self.pending.put((turn, rows, slots, files))
-        else:
-            self._write(dst.numpy(), rows, slots, files)
-        return logits
+            _step(logits, rows, lens, pre, self.state, self.d_table)
+        if not self.zero_copy:
+            self._write(np.asarray(host_rows[:b]))
+
+    def _launch(
+        self,
+        logits: Any,
+        rows: Any,
+        lens: Any,
+        pre: Any,
+        state: Any,
+        table: Any,
+        boards: Any,
+        zero_copy: bool,
+    ) -> None:
+        self.kernel[(logits.shape[0],)](
+            logits,
+            logits.stride(0),
+            logits.shape[1],
+            rows,
+            lens if lens is not None else rows,
+            pre if pre is not None else rows,
+            state,
+            table,
+            boards,
+            HAS_LENS=lens is not None,
+            BOARDS=zero_copy,
+            BLOCK=4096,
+            num_warps=8,
+        )
 
     def _to_device(self, host: Any) -> Any:
         t = self.torch.from_numpy(host.copy())
@@ -325,84 +284,297 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
             t = t.pin_memory()
         return t.to(self.device, non_blocking=self.pin)
 
-    def _launch(self, logits: Any, src: Any, dst: Any, b: int) -> None:
-        """The step for rows ``[:b]``: counters from ``src`` (by the table's src column when it
-        is not ``dst``) to ``dst``, and the marker forced where the rule fires."""
-        if self._kernel is not None and logits.stride(1) == 1:
-            b = b or logits.shape[0]
-            self._kernel[(b,)](
-                logits, logits.stride(0), logits.shape[1], src, dst, self.d_table,
-                int(src.data_ptr() != dst.data_ptr()), BLOCK=4096, num_warps=8,
-            )  # fmt: skip
+    def _board(self, path: str) -> int:
+        if path in self.paths:
+            return self.paths.index(path)
+        try:
+            board = np.load(path, mmap_mode="r+")
+        except OSError:
+            return -1  # the worker is gone; nothing to report to
+        if self.zero_copy:
+            if not _register(board):
+                return -1
+            self.d_boards = self.torch.tensor(
+                [b.ctypes.data for b in [*self.boards, board]], dtype=self.torch.int64
+            ).to(self.device)
+        self.paths.append(path)
+        self.boards.append(board)
+        return len(self.boards) - 1
+
+    def _write(self, rows: Any) -> None:
+        """The host's copy of the watched rows' numbers, where the device does not write them."""
+        slots = rows[rows >= 0]
+        slots = slots[self.on[slots]]
+        if not len(slots):
             return
-        _step(logits[: b or None], src, dst, self.d_table)
+        values = self.state[slots][:, [self.N, self.SUM, self.MIN, self.FIRED]].cpu().numpy()
+        cfg = self.table[slots]
+        for f in np.unique(cfg[:, self.BOARD]):
+            if f >= 0:
+                sel = cfg[:, self.BOARD] == f
+                self.boards[int(f)][cfg[sel, self.ROW].astype(np.int64)] = values[sel]
 
-    def _writer(self) -> None:
-        while True:
-            turn, rows, slots, files = self.pending.get()
-            self.events[turn].synchronize()
-            self._write(self.ring[turn].numpy(), rows, slots, files)
+    def _probe(self, vocab: int) -> bool:
+        """Compile the kernel now, not on a job's step, and check that it can write a board
+        straight into host memory (a file mapped here and registered with CUDA)."""
+        torch = self.torch
+        path = os.path.join(
+            "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
+            f"vqueue-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+        )
+        board = np.lib.format.open_memmap(path, "w+", np.float32, (1, COLUMNS))
+        try:
+            dev = self.device
+            rows = torch.zeros(1, dtype=torch.int32, device=dev)  # the kinds vLLM passes
+            lens = torch.ones(1, dtype=torch.int64, device=dev) if self.lens else None
+            pre = torch.ones(1, dtype=torch.int32, device=dev) if self.lens else None
+            table = torch.tensor([[1.0, -1e9, 1, 0, 0, 0, 1, 0, 0]], device=dev)
+            state = torch.zeros((1, 5), device=dev)
+            logits = torch.zeros((1, vocab), device=dev)
+            ok = _register(board)
+            boards = torch.tensor([board.ctypes.data if ok else 0], device=dev)
+            self._launch(logits, rows, lens, pre, state, table, boards, False)
+            if ok:
+                self._launch(logits, rows, lens, pre, state, table, boards, True)
+                torch.cuda.synchronize(self.device)
+                ok = float(board[0, 0]) == 1.0
+                _unregister(board)
+            return ok
+        finally:
+            del board
+            os.unlink(path)
 
-    def _write(self, table: Any, rows: Any, slots: Any, files: Any) -> None:
-        values = table[rows][:, [self.N, self.SUM, self.MIN, self.FIRED]]
-        for f in np.unique(files):
-            mm = self.maps.get(int(f))
-            if mm is None:
-                try:
-                    mm = self.maps[int(f)] = np.load(self.files[int(f)], mmap_mode="r+")
-                except OSError:
-                    continue  # the worker is gone; nothing to report to
-            sel = files == f
-            mm[slots[sel]] = values[sel]
+
+def _register(board: Any) -> bool:
+    """Page-lock a memory-mapped board for the device (whole pages), so a kernel can write it."""
+    import torch
+
+    start = board.ctypes.data & ~4095
+    size = (board.ctypes.data + board.nbytes - start + 4095) & ~4095
+    return bool(torch.cuda.cudart().cudaHostRegister(start, size, 0).value == 0)
 
 
-def install_output_ids_opt_out() -> None:
-    """Stop the monitor from costing vLLM a host sync per step.
+def _unregister(board: Any) -> None:
+    import torch
 
-    vLLM assumes any custom logits processor reads every request's output token ids, so with one
-    loaded it keeps them current for the sampler: under asynchronous scheduling that means
-    waiting for the previous step's sampled tokens to reach the host and patching each request's
-    list, on every step, before sampling. The monitor reads no token ids (only whether a row has
-    produced its first token, which the list's length tells and vLLM keeps up to date anyway), so
-    where it is the only custom processor the input batch is told it needs none.
+    torch.cuda.cudart().cudaHostUnregister(board.ctypes.data & ~4095)
+
+
+class ConfidenceMonitor(_base()):  # type: ignore[misc]
+    """The monitor in vLLM's V1 model runner, as a logits processor (``install_monitor`` adds
+    it to the ones vLLM builds). V1 reports the batch as rows that requests join, leave, move
+    between and swap; this keeps the row -> slot mapping and hands the rest to ``_Watch``."""
+
+    def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
+        rows = vllm_config.scheduler_config.max_num_seqs
+        vocab = vllm_config.model_config.get_vocab_size()
+        self.watch = _Watch(rows, vocab, device, bool(is_pin_memory), lens=False)
+        self.rows = np.full(rows, -1, dtype=np.int32)  # batch row -> slot
+        self.d_rows: Any = None
+        self.rows_changed = True
+        self.free = list(range(rows - 1, -1, -1))
+        self.prefilling: dict[int, list[int]] = {}  # slot -> output ids, until the first one
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # forcing the marker changes greedy picks too
+
+    @classmethod
+    def validate_params(cls, sampling_params: Any) -> None:
+        _validate(sampling_params)
+
+    def update_state(self, batch_update: Any) -> None:
+        if batch_update is None:
+            return
+        for row in batch_update.removed:
+            self._release(row)
+        for row, params, _prompt, output in batch_update.added:
+            self._release(row)
+            args = (params.extra_args or {}).get(KEY) if params is not None else None
+            if args:
+                slot = self.free.pop()
+                self.watch.watch(slot, args)
+                self.rows[row] = slot
+                self.prefilling[slot] = output
+                self.rows_changed = True
+        for a, b, direction in batch_update.moved:
+            if direction.name == "SWAP":
+                self.rows[[a, b]] = self.rows[[b, a]]
+            else:  # a's request now lives at b; a is empty
+                self._release(b)
+                self.rows[b], self.rows[a] = self.rows[a], -1
+            self.rows_changed = True
+
+    def _release(self, row: int) -> None:
+        slot = int(self.rows[row])
+        if slot >= 0:
+            self.watch.drop(slot)
+            self.prefilling.pop(slot, None)
+            self.free.append(slot)
+            self.rows[row] = -1
+            self.rows_changed = True
+
+    def apply(self, logits: Any) -> Any:
+        if self.watch.active <= 0:
+            return logits
+        # V1 runs a prefilling row's chunks through here too: its counters restart every step
+        # until the step whose token is kept, which is the one before its first output shows
+        for slot in [s for s, out in self.prefilling.items() if out]:
+            self.watch.started(slot)
+            del self.prefilling[slot]
+        if self.rows_changed:
+            self.d_rows = self.watch._to_device(self.rows)
+            self.rows_changed = False
+        self.watch.step(logits, self.d_rows, self.rows)
+        return logits
+
+
+class SlotMonitor:
+    """The monitor in vLLM's Model Runner V2, which keys every request's state by a slot it
+    holds for its whole stay, so requests never move. It has the shape of V2's own logits
+    processor interface (``add_request(slot, params)``, ``apply(logits, ...)``); vLLM 0.26 has
+    no such interface yet, so ``install_monitor`` calls it from the V2 sampler."""
+
+    def __init__(self, slots: int, vocab: int, device: Any, pin: bool, prefill_len: Any) -> None:
+        self.watch = _Watch(slots, vocab, device, pin, lens=True)
+        self.prefill_len = prefill_len  # vLLM's own, per slot; its device copy changes per step
+        self.new: list[int] = []
+
+    def add_request(self, slot: int, sampling_params: Any) -> bool:
+        self.watch.drop(slot)  # the slot's last occupant
+        args = (sampling_params.extra_args or {}).get(KEY) if sampling_params else None
+        if not args:
+            return False
+        self.watch.watch(slot, args)
+        self.new.append(slot)
+        return True
+
+    def apply(self, logits: Any, rows: Any, host_rows: Any, pos: Any) -> Any:
+        """``rows``: each logits row's slot; ``pos``: the position each row samples for."""
+        if self.watch.active <= 0:
+            return logits
+        self.watch.step(logits, rows, host_rows, pos, self.prefill_len.gpu)
+        for slot in self.new:  # zeroed by this step; a slot still prefilling waits uncounted
+            self.watch.started(slot)
+        self.new.clear()
+        return logits
+
+
+def _validate(sampling_params: Any) -> None:
+    args = (sampling_params.extra_args or {}).get(KEY)
+    if args is not None and not isinstance(args, dict):
+        raise ValueError(f"extra_args[{KEY!r}] must be a dict")
+
+
+def install_monitor() -> None:
+    """Put the monitor into whichever model runner the engine builds (from the vLLM plugin, in
+    the engine process), rather than naming it in ``logits_processors``: vLLM 0.26 runs any
+    engine with a custom logits processor on its older V1 model runner, 14% slower on the H200
+    with our model (docs/benchmarks.md), and V2 has no interface for one yet.
+
+    - V1: added to the logits processors vLLM builds for the batch. vLLM then also believes no
+      custom processor reads output token ids, so it does not gather them every step.
+    - V2: called from the sampler, on the logits after the grammar mask and before penalties
+      and temperature, with the step's row -> slot mapping and positions.
+    Where vLLM's internals differ from 0.26's, the V2 hook is not installed and V2 is turned
+    off, so the monitor still runs (in V1) rather than silently not at all.
     """
-    try:
-        from vllm.v1.worker.gpu_input_batch import InputBatch
-    except ImportError:
-        return
-    stock = InputBatch.__init__
-    if getattr(stock, "__vqueue__", False):
-        return
+    import vllm.v1.sample.logits_processor as v1
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        stock(self, *args, **kwargs)
-        procs = getattr(getattr(self, "logitsprocs", None), "all", None)
-        if not getattr(self, "logitsprocs_need_output_token_ids", False) or procs is None:
-            return
-        custom = [p for p in procs if not type(p).__module__.startswith("vllm.")]
-        if custom and all(isinstance(p, ConfidenceMonitor) for p in custom):
-            self.logitsprocs_need_output_token_ids = False
-            logging.getLogger("vllm.vqueue").info(
-                "vqueue: the confidence monitor needs no output token ids"
-            )
+    stock_load = v1._load_custom_logitsprocs
+    if not getattr(stock_load, "__vqueue__", False):
+
+        def load(logits_processors: Any) -> list[type]:
+            return [*stock_load(logits_processors), ConfidenceMonitor]
+
+        load.__vqueue__ = True  # type: ignore[attr-defined]
+        v1._load_custom_logitsprocs = load
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON and not _install_v2_hook() and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:
+        log.warning("confidence monitor: vLLM's V2 sampler is not the one it knows; using V1")
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def _install_v2_hook() -> bool:
+    import inspect
+
+    try:
+        from vllm.v1.worker.gpu.sample import sampler
+    except ImportError:
+        return True  # no V2 runner to hook
+    Sampler: Any = sampler.Sampler  # checked against 0.26's below, not the installed one
+    if getattr(Sampler.__init__, "__vqueue__", False):
+        return True
+    names = {
+        fn: list(inspect.signature(getattr(Sampler, fn)).parameters)[1:5]
+        for fn in ("__init__", "add_request", "apply_sampling_params")
+    }
+    if names != {
+        "__init__": ["max_num_reqs", "vocab_size", "device", "req_states"],
+        "add_request": ["req_idx", "prompt_len", "sampling_params"],
+        "apply_sampling_params": ["logits", "expanded_idx_mapping", "idx_mapping_np", "pos"],
+    }:
+        return False
+    stock_init, stock_add, stock_apply = (
+        Sampler.__init__,
+        Sampler.add_request,
+        Sampler.apply_sampling_params,
+    )
+
+    def __init__(
+        self: Any,
+        max_num_reqs: int,
+        vocab_size: int,
+        device: Any,
+        req_states: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        stock_init(self, max_num_reqs, vocab_size, device, req_states, *args, **kwargs)
+        from vllm.utils.platform_utils import is_pin_memory_available
+
+        self.vqueue_monitor = SlotMonitor(
+            max_num_reqs, vocab_size, device, is_pin_memory_available(), req_states.prefill_len
+        )
+
+    def add_request(self: Any, req_idx: int, prompt_len: int, sampling_params: Any) -> None:
+        stock_add(self, req_idx, prompt_len, sampling_params)
+        self.vqueue_monitor.add_request(req_idx, sampling_params)
+
+    def apply_sampling_params(
+        self: Any,
+        logits: Any,
+        expanded_idx_mapping: Any,
+        idx_mapping_np: Any,
+        pos: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        # the expanded mapping has one entry per logits row; the host one, one per request,
+        # matches it unless speculative decoding adds rows, which the host side never needs
+        self.vqueue_monitor.apply(logits, expanded_idx_mapping, idx_mapping_np, pos)
+        return stock_apply(self, logits, expanded_idx_mapping, idx_mapping_np, pos, *args, **kwargs)
 
     __init__.__vqueue__ = True  # type: ignore[attr-defined]
-    InputBatch.__init__ = __init__  # type: ignore[method-assign]
+    Sampler.__init__ = __init__
+    Sampler.add_request = add_request
+    Sampler.apply_sampling_params = apply_sampling_params
+    return True
 
 
-def _step(x: Any, src: Any, dst: Any, table: Any) -> None:
+def _step(x: Any, rows: Any, lens: Any, pre: Any, state: Any, table: Any) -> None:
     """The rule for every row of ``x``, eagerly (the CPU, or no Triton): ``_triton_step``'s
-    twin, which the tests hold it to. ``table`` columns are ``ConfidenceMonitor``'s."""
+    twin, which the tests hold it to. ``table`` columns are ``_Watch``'s."""
     import torch
 
     b = x.shape[0]
-    cfg = table[:b]
-    if src.data_ptr() != dst.data_ptr():
-        at = cfg[:, 7].long()
-        st = torch.where((at >= 0).unsqueeze(1), src[at.clamp(min=0)], torch.zeros_like(src[:b]))
-    else:
-        st = src[:b]
-    st = torch.where((cfg[:, 6] > 0).unsqueeze(1), torch.zeros_like(st), st)
+    slot = rows[:b].long()
+    at = slot.clamp(min=0)
+    cfg = table[at]
+    on = (slot >= 0) & (cfg[:, 0] > 0)
+    counting = on if lens is None else on & (lens[:b].long() + 1 >= pre[at].long())
+    fresh = (cfg[:, 6] > 0).unsqueeze(1)
+    st = torch.where(fresh, torch.zeros_like(state[at]), state[at])
     m = x.amax(dim=-1)
     top1 = -torch.log(torch.exp(x - m.unsqueeze(1)).sum(dim=-1))  # max - logsumexp
     n, total, low, streak, fired = st.unbind(1)
@@ -410,9 +582,11 @@ def _step(x: Any, src: Any, dst: Any, table: Any) -> None:
     total = total + top1
     n = n + 1.0
     streak = torch.where(top1 < cfg[:, 1], streak + 1.0, torch.zeros_like(streak))
-    hit = (cfg[:, 0] > 0) & (streak >= cfg[:, 2]) & (n > cfg[:, 3])
+    hit = counting & (streak >= cfg[:, 2]) & (n > cfg[:, 3])
     fired = torch.maximum(fired, hit.float())
-    dst[:b] = torch.stack([n, total, low, streak, fired], dim=1)
+    new = torch.stack([n, total, low, streak, fired], dim=1)
+    # counted rows take the step; a fresh row still prefilling starts from zero
+    state[at[on]] = torch.where(counting.unsqueeze(1), new, st)[on]
     force = hit & (cfg[:, 4] > 0)
     # the marker outweighs every other token by far, so greedy, sampling, top-p and penalties
     # all pick it
@@ -425,9 +599,9 @@ _TRITON: Any = None
 
 
 def _triton_step() -> Any:
-    """The rule as one Triton kernel, one program per row: a single pass over the row's logits
-    (online max and sum of exponentials), then the counters and the marker. Built on first use,
-    so importing this module never needs Triton."""
+    """The rule as one Triton kernel, one program per logits row: a single pass over the row's
+    logits (online max and sum of exponentials), then the counters, the board and the marker.
+    Built on first use, so importing this module never needs Triton."""
     global _TRITON
     if _TRITON is not None:
         return _TRITON
@@ -435,48 +609,75 @@ def _triton_step() -> Any:
     import triton.language as tl
 
     @triton.jit  # type: ignore[misc]
-    def step(x_ptr, x_stride, vocab, src_ptr, dst_ptr, cfg_ptr, gather, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def step(
+        x_ptr,
+        x_stride,
+        vocab,
+        rows_ptr,
+        lens_ptr,
+        pre_ptr,
+        state_ptr,
+        cfg_ptr,
+        boards_ptr,  # type: ignore[no-untyped-def]
+        HAS_LENS: tl.constexpr,
+        BOARDS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0)
-        cfg = cfg_ptr + row * 8
-        if tl.load(cfg) > 0:  # watched rows only: the others cost nothing
-            base = x_ptr + row.to(tl.int64) * x_stride
-            neg = float("-inf")
-            mx = tl.full([BLOCK], neg, tl.float32)
-            acc = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, vocab, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                v = tl.load(base + offs, mask=offs < vocab, other=neg).to(tl.float32)
-                new = tl.maximum(mx, v)
-                safe = tl.where(new == neg, 0.0, new)  # a lane masked so far adds nothing
-                acc = acc * tl.exp(mx - safe) + tl.exp(v - safe)
-                mx = new
-            top = tl.max(mx, axis=0)
-            total_exp = tl.sum(acc * tl.exp(mx - tl.where(top == neg, 0.0, top)), axis=0)
-            top1 = -tl.log(total_exp)  # max - logsumexp
-            at = row
-            if gather:
-                at = tl.load(cfg + 7).to(tl.int32)
-            st = src_ptr + at * 5
-            keep = (at >= 0) & (tl.load(cfg + 6) == 0)
-            n = tl.where(keep, tl.load(st, mask=at >= 0, other=0.0), 0.0)
-            total = tl.where(keep, tl.load(st + 1, mask=at >= 0, other=0.0), 0.0)
-            low = tl.where(keep, tl.load(st + 2, mask=at >= 0, other=0.0), 0.0)
-            streak = tl.where(keep, tl.load(st + 3, mask=at >= 0, other=0.0), 0.0)
-            fired = tl.where(keep, tl.load(st + 4, mask=at >= 0, other=0.0), 0.0)
-            low = tl.where(n == 0, top1, tl.minimum(low, top1))
-            total = total + top1
-            n = n + 1.0
-            streak = tl.where(top1 < tl.load(cfg + 1), streak + 1.0, 0.0)
-            hit = (streak >= tl.load(cfg + 2)) & (n > tl.load(cfg + 3))
-            fired = tl.maximum(fired, tl.where(hit, 1.0, 0.0))
-            out = dst_ptr + row * 5
-            tl.store(out, n)
-            tl.store(out + 1, total)
-            tl.store(out + 2, low)
-            tl.store(out + 3, streak)
-            tl.store(out + 4, fired)
-            if hit & (tl.load(cfg + 4) > 0):
-                tl.store(base + tl.load(cfg + 5).to(tl.int64), 1e9)
+        slot = tl.load(rows_ptr + row).to(tl.int64)
+        cfg = cfg_ptr + tl.maximum(slot, 0) * 9
+        if (slot >= 0) & (tl.load(cfg) > 0):  # watched rows only: the others cost nothing
+            if HAS_LENS:  # a row still prefilling samples a token that is thrown away
+                counting = tl.load(lens_ptr + row) + 1 >= tl.load(pre_ptr + slot)
+            else:
+                counting = slot >= 0
+            fresh = tl.load(cfg + 6) > 0
+            st = state_ptr + slot * 5
+            if counting:
+                base = x_ptr + row.to(tl.int64) * x_stride
+                neg = float("-inf")
+                mx = tl.full([BLOCK], neg, tl.float32)
+                acc = tl.zeros([BLOCK], tl.float32)
+                for start in range(0, vocab, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    v = tl.load(base + offs, mask=offs < vocab, other=neg).to(tl.float32)
+                    new = tl.maximum(mx, v)
+                    safe = tl.where(new == neg, 0.0, new)  # a lane masked so far adds nothing
+                    acc = acc * tl.exp(mx - safe) + tl.exp(v - safe)
+                    mx = new
+                top = tl.max(mx, axis=0)
+                total_exp = tl.sum(acc * tl.exp(mx - tl.where(top == neg, 0.0, top)), axis=0)
+                top1 = -tl.log(total_exp)  # max - logsumexp
+                n = tl.where(fresh, 0.0, tl.load(st))
+                total = tl.where(fresh, 0.0, tl.load(st + 1))
+                low = tl.where(fresh, 0.0, tl.load(st + 2))
+                streak = tl.where(fresh, 0.0, tl.load(st + 3))
+                fired = tl.where(fresh, 0.0, tl.load(st + 4))
+                low = tl.where(n == 0, top1, tl.minimum(low, top1))
+                total = total + top1
+                n = n + 1.0
+                streak = tl.where(top1 < tl.load(cfg + 1), streak + 1.0, 0.0)
+                hit = (streak >= tl.load(cfg + 2)) & (n > tl.load(cfg + 3))
+                fired = tl.maximum(fired, tl.where(hit, 1.0, 0.0))
+                tl.store(st, n)
+                tl.store(st + 1, total)
+                tl.store(st + 2, low)
+                tl.store(st + 3, streak)
+                tl.store(st + 4, fired)
+                if BOARDS:  # straight into the worker's board, in host memory
+                    board = tl.load(cfg + 7).to(tl.int64)
+                    if board >= 0:
+                        at = tl.load(boards_ptr + board).to(tl.pointer_type(tl.float32))
+                        at += tl.load(cfg + 8).to(tl.int64) * 4
+                        tl.store(at, n)
+                        tl.store(at + 1, total)
+                        tl.store(at + 2, low)
+                        tl.store(at + 3, fired)
+                if hit & (tl.load(cfg + 4) > 0):
+                    tl.store(base + tl.load(cfg + 5).to(tl.int64), 1e9)
+            elif fresh:
+                for c in range(5):
+                    tl.store(st + c, 0.0)
 
     _TRITON = step
     return step

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 import uuid
@@ -97,6 +98,14 @@ class EngineHost:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if not plugin_registered():
+            raise EngineError(
+                "vqueue's vLLM plugin is not registered (entry point vllm.general_plugins: "
+                "vqueue); install the package (pip install -e .) rather than running it from "
+                "a path: without the plugin the engine has no confidence monitor"
+            )
+        # the engine's processes read the settings from the environment: make sure they agree
+        os.environ["VQUEUE_CONFIDENCE_MONITOR"] = str(self.settings.confidence_monitor).lower()
         kwargs = engine_kwargs(self.settings, self.model_path)
         log.info("starting vLLM engine: %s", kwargs)
         # our stat logger rides along with vLLM's own (log line, vllm:* Prometheus metrics)
@@ -280,8 +289,6 @@ def engine_kwargs(s: Settings, model_path: str) -> dict[str, Any]:
             disable_any_whitespace=True,
         ),
     )
-    if s.confidence_monitor:  # logprob early stop's monitor, inside the engine step
-        kwargs["logits_processors"] = ["worker.confidence:ConfidenceMonitor"]
     if s.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
     if s.quantization:
@@ -357,18 +364,27 @@ def vllm_plugin() -> None:
     """vLLM general plugin (``pyproject.toml``: entry point ``vllm.general_plugins: vqueue``); vLLM
     runs it in each of its processes, including the engine core, where the changes have to be.
 
-    Each change keeps vLLM's results and is skipped where vLLM's internals look different from
-    the version it was written against: guided decoding's per-request work batched
-    (``worker.structured``), and the confidence monitor no longer making vLLM gather every
-    request's output token ids before each step (``worker.confidence``).
+    It puts the confidence monitor into the engine's model runner (``worker.confidence``; not
+    with ``VQUEUE_CONFIDENCE_MONITOR=false``) and batches guided decoding's per-request work
+    (``worker.structured``). Each change keeps vLLM's results and is skipped where vLLM's
+    internals look different from the version it was written against.
     """
     try:
         s = Settings()
     except Exception:  # a broken VQUEUE_* variable is the worker's to report, not vLLM's
         s = None
-    from .confidence import install_output_ids_opt_out
+    from .confidence import install_monitor
     from .structured import install_batched_guided_step
 
     if s is None or s.parallel_grammar_masks:
         install_batched_guided_step(s.grammar_threads if s is not None else 0)
-    install_output_ids_opt_out()
+    if s is None or s.confidence_monitor:
+        install_monitor()
+
+
+def plugin_registered() -> bool:
+    """Whether vLLM will find ``vllm_plugin``: through the installed package's entry point."""
+    from importlib.metadata import entry_points
+
+    return any(e.value == "worker.engine:vllm_plugin"
+               for e in entry_points(group="vllm.general_plugins"))  # fmt: skip
