@@ -18,9 +18,19 @@ SPOTS = [
         ["schedule", "update_from_output", "get_grammar_bitmask"],
     ),
     ("vllm.v1.core.sched.async_scheduler", "AsyncScheduler", ["schedule", "update_from_output"]),
+    ("vllm.v1.structured_output", "StructuredOutputManager", ["grammar_bitmask"]),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ["execute_model", "sample_tokens"]),
     ("vllm.v1.sample.sampler", "Sampler", ["forward"]),
     ("worker.confidence", "ConfidenceMonitor", ["apply", "update_state"]),
+    # Model Runner V2 (named V2.* in the report)
+    (
+        "vllm.v1.worker.gpu.model_runner",
+        "GPUModelRunner",
+        ["execute_model", "sample_tokens", "prepare_inputs", "postprocess_sampled", "sample"],
+    ),
+    ("vllm.v1.worker.gpu.structured_outputs", "StructuredOutputsWorker", ["apply_grammar_bitmask"]),
+    ("vllm.v1.worker.gpu.sample.sampler", "Sampler", ["__call__"]),
+    ("worker.confidence", "SlotMonitor", ["apply", "add_request"]),
 ]
 
 
@@ -51,9 +61,10 @@ def install_timers() -> Timers:
             c = getattr(importlib.import_module(mod), cls)
         except (ImportError, AttributeError):
             continue
+        label = f"V2.{cls}" if ".gpu." in mod else cls
         for n in names:
             if n in c.__dict__:
-                setattr(c, n, _timed(t, f"{cls}.{n}", c.__dict__[n]))
+                setattr(c, n, _timed(t, f"{label}.{n}", c.__dict__[n]))
     runner = importlib.import_module("vllm.v1.worker.gpu_model_runner")
     if hasattr(runner, "apply_grammar_bitmask"):
         runner.apply_grammar_bitmask = _timed(

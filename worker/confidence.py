@@ -194,7 +194,11 @@ class _Watch:
             except Exception as exc:  # eager is correct, only slower
                 log.warning("confidence monitor: no Triton kernel (%s); running eager", exc)
                 self.kernel = None
-            if not self.zero_copy:
+            if self.zero_copy:  # vLLM's logger tree, so the line shows in the engine's log
+                logging.getLogger("vllm.vqueue").info(
+                    "vqueue: the confidence monitor's kernel writes the workers' boards itself"
+                )
+            else:
                 log.warning(
                     "confidence monitor: the device cannot write the board directly; its "
                     "numbers are copied to the host after every step, which waits for the step"
@@ -287,18 +291,15 @@ class _Watch:
     def _board(self, path: str) -> int:
         if path in self.paths:
             return self.paths.index(path)
-        try:
-            board = np.load(path, mmap_mode="r+")
-        except OSError:
-            return -1  # the worker is gone; nothing to report to
-        if self.zero_copy:
-            if not _register(board):
-                return -1
-            self.d_boards = self.torch.tensor(
-                [b.ctypes.data for b in [*self.boards, board]], dtype=self.torch.int64
-            ).to(self.device)
+        board = _mapped(path, register=self.zero_copy)
+        if board is None:
+            return -1  # the worker is gone, or its board cannot be registered: nothing to report
         self.paths.append(path)
         self.boards.append(board)
+        if self.zero_copy:
+            self.d_boards = self.torch.tensor(
+                [b.ctypes.data for b in self.boards], dtype=self.torch.int64
+            ).to(self.device)
         return len(self.boards) - 1
 
     def _write(self, rows: Any) -> None:
@@ -345,13 +346,37 @@ class _Watch:
             os.unlink(path)
 
 
+# boards mapped in this process, by path: mapped once and kept, so a registered mapping is never
+# unmapped under the device (nor its address reused by another mapping while still registered)
+_MAPPED: dict[str, Any] = {}
+
+
+def _mapped(path: str, register: bool) -> Any:
+    board = _MAPPED.get(path)
+    if board is None:
+        try:
+            board = np.load(path, mmap_mode="r+")
+        except OSError:
+            return None
+        if register and not _register(board):
+            return None
+        _MAPPED[path] = board
+    return board
+
+
 def _register(board: Any) -> bool:
     """Page-lock a memory-mapped board for the device (whole pages), so a kernel can write it."""
     import torch
 
     start = board.ctypes.data & ~4095
     size = (board.ctypes.data + board.nbytes - start + 4095) & ~4095
-    return bool(torch.cuda.cudart().cudaHostRegister(start, size, 0).value == 0)
+    if torch.cuda.cudart().cudaHostRegister(start, size, 0).value == 0:
+        return True
+    try:  # the failure is also left as CUDA's last error, which the next launch would raise
+        torch.zeros(1, device="cuda").add_(1)
+    except Exception:
+        pass
+    return False
 
 
 def _unregister(board: Any) -> None:
