@@ -38,6 +38,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument(
+        "--dummy-weights",
+        action="store_true",
+        help="random weights from the model folder's config.json alone (vLLM's load_format "
+        "dummy): a large model's shape without its weights on disk",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     out = Path(a.out)
@@ -67,6 +73,7 @@ def main() -> None:
             str(a.max_tokens),
             "--rounds",
             str(a.rounds),
+            *(["--dummy-weights"] if a.dummy_weights else []),
         ]
         venv = dict(env, VQUEUE_PARALLEL_GRAMMAR_MASKS="false" if kind == "stock" else "true")
         if threads:
@@ -104,6 +111,8 @@ def child(a: argparse.Namespace, path: Path) -> None:
     kwargs = engine_kwargs(settings, a.model)
     if a.child.startswith("parallel-sync"):
         kwargs["async_scheduling"] = False
+    if a.dummy_weights:
+        kwargs["load_format"] = "dummy"
     llm = LLM(**kwargs)
     # after the engine exists, so the timers wrap whatever the plugin put in place
     timers = install_timers() if a.child.startswith("inproc") else None
@@ -111,9 +120,8 @@ def child(a: argparse.Namespace, path: Path) -> None:
         {
             "variant": a.child,
             "engine_start_s": round(time.perf_counter() - t0, 1),
-            # with it loaded vLLM 0.26 runs its V1 model runner; VQUEUE_CONFIDENCE_MONITOR=false
-            # lets models that default to V2 run there
             "confidence_monitor": settings.confidence_monitor,
+            "model_runner": "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1",
         }
     )
     tok = llm.get_tokenizer()

@@ -111,7 +111,11 @@ def child(a: argparse.Namespace, log: Path) -> None:
 
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(Settings(_env_file=None), a.model))
-    emit({"engine": a.child, "engine_start_s": round(time.perf_counter() - t0, 1)})
+    emit({
+        "engine": a.child,
+        "engine_start_s": round(time.perf_counter() - t0, 1),
+        "model_runner": "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1",
+    })  # fmt: skip
     timers = None
     if a.timers:
         from .step_timers import install_timers
