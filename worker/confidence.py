@@ -359,6 +359,8 @@ def _mapped(path: str, register: bool) -> Any:
         except OSError:
             return None
         if register and not _register(board):
+            log.warning("confidence monitor: cannot register %s with CUDA; its requests are "
+                        "watched but their numbers are not reported", path)  # fmt: skip
             return None
         _MAPPED[path] = board
     return board
