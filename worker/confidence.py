@@ -243,7 +243,7 @@ class _Watch:
         and ``host_rows`` on the host. With ``lens``, a row's position and ``pre`` each slot's
         prefill length: a row still prefilling is not counted (its token is thrown away)."""
         if self.changed:
-            self.d_table = self._to_device(self.table)
+            self.d_table = self.to_device(self.table)
             self.changed = False
         b = logits.shape[0]
         if self.kernel is not None and logits.stride(1) == 1:
@@ -282,7 +282,7 @@ class _Watch:
             num_warps=8,
         )
 
-    def _to_device(self, host: Any) -> Any:
+    def to_device(self, host: Any) -> Any:
         t = self.torch.from_numpy(host.copy())
         if self.pin:  # a pinned copy per transfer: the caching host allocator keeps it alive
             t = t.pin_memory()
@@ -449,7 +449,7 @@ class ConfidenceMonitor(_base()):  # type: ignore[misc]
             self.watch.started(slot)
             del self.prefilling[slot]
         if self.rows_changed:
-            self.d_rows = self.watch._to_device(self.rows)
+            self.d_rows = self.watch.to_device(self.rows)
             self.rows_changed = False
         self.watch.step(logits, self.d_rows, self.rows)
         return logits

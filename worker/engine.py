@@ -98,7 +98,7 @@ class EngineHost:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if not plugin_registered():
+        if self.settings.confidence_monitor and not plugin_registered():
             raise EngineError(
                 "vqueue's vLLM plugin is not registered (entry point vllm.general_plugins: "
                 "vqueue); install the package (pip install -e .) rather than running it from "
