@@ -12,10 +12,10 @@ def plugin_env() -> dict[str, str]:
     confidence monitor and the batched guided step into the engine) is found by its entry
     point; where vqueue runs from PYTHONPATH rather than installed (the GPU host), there is no
     dist-info to find it by, so one is written to a temporary directory put on the path."""
-    from importlib.metadata import entry_points
+    from worker.engine import plugin_registered
 
     env = dict(os.environ)
-    if any(e.name == "vqueue" for e in entry_points(group="vllm.general_plugins")):
+    if plugin_registered():
         return env
     d = Path(tempfile.mkdtemp(prefix="vqueue-ep-"))
     info = d / "vqueue_plugin-0.dist-info"
