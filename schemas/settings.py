@@ -71,9 +71,13 @@ class Settings(BaseSettings):
     # work in the engine step: masks filled and matchers advanced by llguidance off the GIL,
     # mask rows put in batch order on the device; same tokens as vLLM's own path
     parallel_grammar_masks: bool = True
-    # llguidance threads for those masks in the engine process; 0: half the cores this process
-    # may use, at most 8. Where several workers share a host, about cores / (2 * workers).
+    # llguidance threads for those masks in the engine process, and the compiled matchers kept
+    # per grammar (grammar_reuse); 0: half the cores this process may use, at most 8. Where
+    # several workers share a host, about cores / (2 * workers).
     grammar_threads: int = Field(0, ge=0)
+    # the plugin also compiles each distinct grammar once per vLLM process and hands each
+    # request a copy, where vLLM compiles (and its frontend validates) one per request
+    grammar_reuse: bool = True
 
     # -- worker process
     # import path of the engine host; benchmarks/stub_engine.py swaps in an instant stub to

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,6 +53,7 @@ def test_masks_land_on_their_batch_rows(rows: list[int]) -> None:
 
 def test_batched_guided_step_gives_the_same_tokens(tmp_path: Path) -> None:
     # Given the same extraction prompts on two real engines: vLLM's guided step, and the plugin's
+    # (batched, with grammar reuse)
     from worker.models import prepare_embedded
 
     model = prepare_embedded()
@@ -83,6 +85,7 @@ def test_batched_guided_step_gives_the_same_tokens(tmp_path: Path) -> None:
     # Then the plugin was in the engine that was meant to have it, and only there
     logs = run.stdout + run.stderr
     assert logs.count("guided decoding's matchers and masks run batched") >= 1
+    assert logs.count("requests share compiled grammars") >= 1  # 16 jobs over 4 schemas
     rows = {}
     for variant in ("stock", "parallel"):
         lines = (tmp_path / f"guided-{variant}.jsonl").read_text().splitlines()
@@ -91,6 +94,88 @@ def test_batched_guided_step_gives_the_same_tokens(tmp_path: Path) -> None:
     assert rows["stock"]["output_tokens"] > 16 * 10
     assert rows["parallel"]["digest"] == rows["stock"]["digest"]
     assert rows["stock"]["grammar_violations"] == rows["parallel"]["grammar_violations"] == 0
+
+
+def test_requests_share_a_few_compiled_grammars_and_each_gets_a_matcher_of_its_own() -> None:
+    # Given vLLM's guidance backend for the embedded model's tokenizer (the engine config it
+    # reads is two flags), with the plugin's reuse around its own compile and validation
+    from types import SimpleNamespace
+
+    import llguidance
+    from transformers import AutoTokenizer
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.v1.structured_output import backend_guidance as bg
+    from vllm.v1.structured_output.backend_types import StructuredOutputOptions
+    from vllm.v1.structured_output.request import get_structured_output_key
+
+    from worker.models import prepare_embedded
+    from worker.structured import _reused_grammars, _validated_once
+
+    tok = AutoTokenizer.from_pretrained(prepare_embedded())
+    flags = SimpleNamespace(disable_any_whitespace=True, disable_additional_properties=False)
+    backend = bg.GuidanceBackend(
+        vllm_config=SimpleNamespace(structured_outputs_config=flags),  # type: ignore[arg-type]
+        tokenizer=tok,
+        vocab_size=len(tok),
+    )
+    stock = getattr(bg.GuidanceBackend.compile_grammar, "__wrapped__", None)
+    stock = stock or bg.GuidanceBackend.compile_grammar
+    compile_ = _reused_grammars(stock, groups=2, entries=4)
+    schema = json.dumps(
+        {"type": "object", "properties": {"n": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
+         "required": ["n", "tag"]}
+    )  # fmt: skip
+    text = '{"n":1234,"tag":"b"}'
+    tokens = tok.encode(text, add_special_tokens=False)
+
+    def walks_like_a_fresh_one(grammar: Any) -> None:
+        fresh = stock(backend, StructuredOutputOptions.JSON, schema)
+        for t in tokens:
+            assert grammar.ll_matcher.compute_bitmask() == fresh.ll_matcher.compute_bitmask()
+            assert grammar.ll_matcher.consume_token(t) and fresh.ll_matcher.consume_token(t)
+        assert grammar.ll_matcher.is_accepting() and fresh.ll_matcher.is_accepting()
+
+    # When requests bring the same schema, the first two (one per group) compile it, and the
+    # earlier ones have taken tokens already when the later ones come
+    first = compile_(backend, StructuredOutputOptions.JSON, schema)
+    second = compile_(backend, StructuredOutputOptions.JSON, schema)
+    assert first.ll_matcher.consume_tokens(tokens[:3])
+    assert second.ll_matcher.consume_tokens(tokens[:2])
+    later = [compile_(backend, StructuredOutputOptions.JSON, schema) for _ in range(3)]
+
+    # Then each later one is a matcher of its own, at the start, and allows exactly what a
+    # freshly compiled one allows at every step of a valid output
+    matchers = [g.ll_matcher for g in (first, second, *later)]
+    assert len({id(m) for m in matchers}) == 5
+    for grammar in later:
+        walks_like_a_fresh_one(grammar)
+    # and the first two, whose groups the later ones share, go on from where they were
+    assert first.ll_matcher.consume_tokens(tokens[3:]) and first.ll_matcher.is_accepting()
+    assert second.ll_matcher.consume_tokens(tokens[2:]) and second.ll_matcher.is_accepting()
+    # and a grammar that does not compile is never kept: each request gets vLLM's error
+    for _ in range(3):
+        broken = compile_(backend, StructuredOutputOptions.REGEX, "(")
+        assert broken.ll_matcher.is_error()
+
+    # When the frontend validates requests (vLLM's own check, counted)
+    calls = []
+    plain = getattr(bg.validate_guidance_grammar, "__wrapped__", bg.validate_guidance_grammar)
+
+    def counted(params: SamplingParams, tokenizer: llguidance.LLTokenizer | None = None) -> None:
+        calls.append(params)
+        plain(params, tokenizer=tokenizer)
+
+    validate = _validated_once(counted, get_structured_output_key, entries=4)
+    good = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="("))
+    for _ in range(3):
+        validate(good)
+    # Then a grammar is checked once, and a bad one each time it comes, with vLLM's error
+    assert len(calls) == 1
+    for _ in range(2):
+        with pytest.raises(Exception, match="Grammar error"):  # ValueError in 0.26
+            validate(bad)
+    assert len(calls) == 3
 
 
 KERNEL_CHECK = """

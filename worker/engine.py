@@ -365,19 +365,22 @@ def vllm_plugin() -> None:
     runs it in each of its processes, including the engine core, where the changes have to be.
 
     It puts the confidence monitor into the engine's model runner (``worker.confidence``; not
-    with ``VQUEUE_CONFIDENCE_MONITOR=false``) and batches guided decoding's per-request work
-    (``worker.structured``). Each change keeps vLLM's results and is skipped where vLLM's
-    internals look different from the version it was written against.
+    with ``VQUEUE_CONFIDENCE_MONITOR=false``), batches guided decoding's per-request work and
+    compiles each distinct grammar once (``worker.structured``). Each change keeps vLLM's
+    results and is skipped where vLLM's internals look different from the version it was
+    written against.
     """
     try:
         s = Settings()
     except Exception:  # a broken VQUEUE_* variable is the worker's to report, not vLLM's
         s = None
     from .confidence import install_monitor
-    from .structured import install_batched_guided_step
+    from .structured import install_batched_guided_step, install_grammar_reuse
 
     if s is None or s.parallel_grammar_masks:
         install_batched_guided_step(s.grammar_threads if s is not None else 0)
+    if s is None or s.grammar_reuse:
+        install_grammar_reuse(s.grammar_threads if s is not None else 0)
     if s is None or s.confidence_monitor:
         install_monitor()
 

@@ -11,6 +11,8 @@ dictionary lookup for every later job that brings it.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
+import functools
 import hashlib
 import json
 import logging
@@ -275,6 +277,120 @@ def install_batched_guided_step(threads: int = 0) -> None:
     logging.getLogger("vllm.vqueue").info(
         "vqueue: guided decoding's matchers and masks run batched"
     )
+
+
+GRAMMARS_KEPT = 512  # distinct grammars remembered per engine process
+
+
+def install_grammar_reuse(groups: int = 0, entries: int = GRAMMARS_KEPT) -> None:
+    """Compile each distinct grammar a few times per vLLM process instead of once per request
+    (from the vLLM plugin in ``worker.engine``). Measured in docs/benchmarks.md.
+
+    vLLM's guidance backend builds a new ``LLMatcher`` for every guided request (1.7 ms on a 2-core
+    CPU host for the benchmark's schemas) and its frontend validates the grammar again for every
+    request (1.1 ms). Both hold the GIL all along, so in the engine process the compile thread
+    stalls the engine loop whenever that loop lets go of the GIL. Here requests get
+    ``deep_copy()`` of a kept matcher instead (7 us), and a grammar the frontend has validated
+    once is not validated again. Matchers that come out in error are never kept.
+
+    llguidance's ``deep_copy`` gives the copy its own parser state but shares the original's
+    lexer and its cache behind one lock, and the mask fill holds that lock: copies of one
+    matcher fill their masks one after another, whatever the thread count. So each grammar is
+    compiled ``groups`` times (by default as many as the mask threads) and requests are dealt
+    round-robin to those groups: masks of one schema still fill in parallel, and each group's
+    cache warms over many requests.
+    """
+    try:
+        from vllm.v1.structured_output import backend_guidance
+        from vllm.v1.structured_output.request import get_structured_output_key
+    except ImportError:
+        return
+    backend = backend_guidance.GuidanceBackend
+    if getattr(backend.compile_grammar, "__vqueue__", False):
+        return
+    if not hasattr(backend_guidance.llguidance.LLMatcher, "deep_copy"):
+        return
+    groups = groups or grammar_threads()
+    backend.compile_grammar = _reused_grammars(backend.compile_grammar, groups, entries)  # type: ignore[method-assign]
+    backend_guidance.validate_guidance_grammar = _validated_once(
+        backend_guidance.validate_guidance_grammar, get_structured_output_key, entries
+    )
+    logging.getLogger("vllm.vqueue").info(
+        "vqueue: requests share compiled grammars (up to %d per distinct grammar)", groups
+    )
+
+
+class _Kept:
+    """One grammar's compiled matchers, never handed out themselves, and whose turn is next."""
+
+    def __init__(self) -> None:
+        self.templates: list[Any] = []
+        self.turn = 0
+
+
+def _reused_grammars(stock: Callable[..., Any], groups: int, entries: int) -> Callable[..., Any]:
+    lock = threading.Lock()
+
+    @functools.wraps(stock)
+    def compile_grammar(self: Any, request_type: Any, grammar_spec: str, *args: Any,
+                        **kwargs: Any) -> Any:  # fmt: skip
+        # vLLM calls this from its grammar thread pool: the cache sits on the backend, whose
+        # settings (whitespace, additional properties) shape the grammar
+        key = (request_type, grammar_spec, repr(args), repr(sorted(kwargs.items())))
+        template = None
+        with lock:
+            kept_all: OrderedDict[Any, _Kept] = self.__dict__.setdefault("_vqueue", OrderedDict())
+            kept = kept_all.get(key)
+            if kept is not None and len(kept.templates) >= groups:
+                kept_all.move_to_end(key)
+                template = kept.templates[kept.turn % groups]
+                kept.turn += 1
+        if template is not None:
+            grammar = copy.copy(template)
+            grammar.ll_matcher = template.ll_matcher.deep_copy()
+            return grammar
+        grammar = stock(self, request_type, grammar_spec, *args, **kwargs)
+        if not grammar.ll_matcher.is_error():
+            template = copy.copy(grammar)  # before the request's matcher takes any token
+            template.ll_matcher = grammar.ll_matcher.deep_copy()
+            with lock:
+                kept = kept_all.setdefault(key, _Kept())
+                if len(kept.templates) < groups:
+                    kept.templates.append(template)
+                kept_all.move_to_end(key)
+                while len(kept_all) > entries:
+                    kept_all.popitem(last=False)
+        return grammar
+
+    compile_grammar.__vqueue__ = True  # type: ignore[attr-defined]
+    return compile_grammar
+
+
+def _validated_once(stock: Callable[..., Any], key_of: Callable[[Any], Any],
+                    entries: int) -> Callable[..., Any]:  # fmt: skip
+    lock = threading.Lock()
+    passed: OrderedDict[Any, None] = OrderedDict()
+
+    @functools.wraps(stock)
+    def validate_guidance_grammar(sampling_params: Any, tokenizer: Any = None) -> None:
+        params = sampling_params.structured_outputs
+        try:
+            key = (key_of(params), id(tokenizer)) if params is not None else None
+        except ValueError:
+            key = None  # nothing valid to key on: vLLM's own check says why
+        if key is not None:
+            with lock:
+                if key in passed:
+                    passed.move_to_end(key)
+                    return
+        stock(sampling_params, tokenizer=tokenizer)  # raises on a bad grammar: never kept
+        if key is not None:
+            with lock:
+                passed[key] = None
+                while len(passed) > entries:
+                    passed.popitem(last=False)
+
+    return validate_guidance_grammar
 
 
 def grammar_threads() -> int:
