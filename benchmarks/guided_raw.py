@@ -1,8 +1,9 @@
 """Guided JSON against the same prompts unconstrained, in raw vLLM (no queue): with vLLM's own
-guided-decoding step (``stock``), with vqueue's plugin batching it (``parallel``, see
-worker/structured.py), the same with vLLM's asynchronous scheduling off (``parallel-sync``), and
-the plugin in an in-process engine that times the engine step's parts (``inproc``, attribution
-only). ``VARIANT@N`` runs a variant with ``VQUEUE_GRAMMAR_THREADS=N``.
+guided-decoding step (``stock``), with vqueue's plugin batching it and compiling each grammar once
+(``parallel``, see worker/structured.py), the plugin batching only (``parallel-noreuse``), the
+plugin with vLLM's asynchronous scheduling off (``parallel-sync``), and the plugin in an
+in-process engine that times the engine step's parts (``inproc``, attribution only; with
+``--py-spy``, where the time goes). ``VARIANT@N`` runs a variant with ``VQUEUE_GRAMMAR_THREADS=N``.
 
     python -m benchmarks.guided_raw --model /tmp/models/qwen05 --out $OUT
 
@@ -15,6 +16,7 @@ tokens. Results go to guided-raw.json as they come, so a run cut short keeps wha
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import random
@@ -27,7 +29,7 @@ from typing import Any
 
 from benchmarks import plugin_env
 
-VARIANTS = ("stock", "parallel", "parallel-sync", "inproc")
+VARIANTS = ("stock", "parallel", "parallel-noreuse", "parallel-sync", "inproc")
 
 
 def main() -> None:
@@ -44,6 +46,19 @@ def main() -> None:
         help="random weights from the model folder's config.json alone (vLLM's load_format "
         "dummy): a large model's shape without its weights on disk",
     )
+    ap.add_argument(
+        "--threads-sweep",
+        default="",
+        help="inproc only: comma-separated mask thread counts, each run guided and unconstrained "
+        "in every round on the one engine (a fresh llguidance executor for each)",
+    )
+    ap.add_argument(
+        "--py-spy",
+        metavar="PATH",
+        help="run each variant under this py-spy binary: wall-clock stacks of every Python "
+        "thread at 100 Hz without pausing the process, idle ones included, to "
+        "py-spy-VARIANT.txt (collapsed, one stack a line; benchmarks/stacks.py reads it)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     out = Path(a.out)
@@ -57,7 +72,12 @@ def main() -> None:
         kind, _, threads = v.partition("@")
         if kind not in VARIANTS:
             ap.error(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}, optionally @THREADS")
+        spy = []
+        if a.py_spy:
+            spy = [a.py_spy, "record", "-r", "100", "--nonblocking", "--idle", "-f", "raw", "-o"]
+            spy += [str(out / f"py-spy-{v.replace('@', '-t')}.txt"), "--"]
         cmd = [
+            *spy,
             sys.executable,
             "-m",
             "benchmarks.guided_raw",
@@ -74,8 +94,13 @@ def main() -> None:
             "--rounds",
             str(a.rounds),
             *(["--dummy-weights"] if a.dummy_weights else []),
+            *(["--threads-sweep", a.threads_sweep] if a.threads_sweep else []),
         ]
-        venv = dict(env, VQUEUE_PARALLEL_GRAMMAR_MASKS="false" if kind == "stock" else "true")
+        venv = dict(
+            env,
+            VQUEUE_PARALLEL_GRAMMAR_MASKS="false" if kind == "stock" else "true",
+            VQUEUE_GRAMMAR_REUSE="false" if kind in ("stock", "parallel-noreuse") else "true",
+        )
         if threads:
             venv["VQUEUE_GRAMMAR_THREADS"] = threads
         if kind == "inproc":
@@ -94,7 +119,7 @@ def child(a: argparse.Namespace, path: Path) -> None:
     from schemas import ExtractJob, Settings
     from worker.engine import engine_kwargs
     from worker.prompts import build_messages, render
-    from worker.structured import generation_schema
+    from worker.structured import _Batched, generation_schema
 
     from .step_timers import install_timers
     from .workloads import SCHEMAS, WORDS
@@ -144,14 +169,36 @@ def child(a: argparse.Namespace, path: Path) -> None:
 
     outputs: list[list[int]] = []
 
+    gc_seen: dict[int, list[float]] = {}
+    gc_started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        # collections in this process: the engine's when it runs in-process (inproc)
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            n_ms = gc_seen.setdefault(info["generation"], [0, 0.0])
+            n_ms[0] += 1
+            n_ms[1] += (time.perf_counter() - gc_started[0]) * 1e3
+
+    gc.callbacks.append(on_gc)
+
     def timed(params: list[Any]) -> tuple[float, list[int]]:
         if timers is not None:
             timers.clear()
+        gc_seen.clear()
         t = time.perf_counter()
         res = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t
         outputs[:] = [list(r.outputs[0].token_ids) for r in res]
         return wall, [len(o) for o in outputs]
+
+    # separate names, so a sampling profiler's stacks tell the two runs apart
+    def guided_run(params: list[Any]) -> tuple[float, list[int]]:
+        return timed(params)
+
+    def unconstrained_run(params: list[Any]) -> tuple[float, list[int]]:
+        return timed(params)
 
     import llguidance
     import llguidance.hf
@@ -174,13 +221,19 @@ def child(a: argparse.Namespace, path: Path) -> None:
         return bad
 
     llm.generate(prompts[:64], guided[:64], use_tqdm=False)  # warm-up: grammars, masks, graphs
+    # every prompt prefilled once, so the prefix cache serves both sides alike: otherwise the
+    # first run measured pays for all the prefills (on a 7B model, a third of its time)
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
 
     def measure(r: int, run: str, params: list[Any], more: Any = None) -> list[int]:
-        wall, lengths = timed(params)
+        wall, lengths = (guided_run if run == "guided" else unconstrained_run)(params)
         row = {
             "variant": a.child,
             "round": r + 1,
             "run": run,
+            # mask threads where the engine shares this process (elsewhere VARIANT@N says)
+            "threads": _Batched.threads if a.child.startswith("inproc") else None,
+            "gc": {f"gen{g}": [n, round(ms, 1)] for g, (n, ms) in sorted(gc_seen.items())},
             "wall_s": round(wall, 3),
             "jobs_per_s": round(a.jobs / wall, 2),
             "output_tokens": sum(lengths),
@@ -207,26 +260,36 @@ def child(a: argparse.Namespace, path: Path) -> None:
             for n in lengths
         ]
 
+    sweep = [int(t) for t in a.threads_sweep.split(",") if t] if a.child == "inproc" else []
     lengths: list[int] = []
     for r in range(a.rounds):
-        # guided and unconstrained swap places every round, so a device that drifts during the
-        # run does not always favour the same one; an unconstrained run that goes first takes
-        # the lengths of the last guided run
-        if r % 2 == 0 or not lengths:
-            lengths = measure(r, "guided", guided, checked)
-            measure(r, "unconstrained, same lengths", unconstrained(lengths))
-        else:
-            measure(r, "unconstrained, same lengths", unconstrained(lengths))
-            lengths = measure(r, "guided", guided, checked)
+        for threads in sweep or [0]:
+            if threads:  # the engine shares this process: the next mask fill makes the executor
+                _Batched.threads = threads
+                _Batched._executors.clear()
+            # guided and unconstrained swap places every round, so a device that drifts during
+            # the run does not always favour the same one; an unconstrained run that goes first
+            # takes the lengths of the last guided run
+            if r % 2 == 0 or not lengths:
+                lengths = measure(r, "guided", guided, checked)
+                measure(r, "unconstrained, same lengths", unconstrained(lengths))
+            else:
+                measure(r, "unconstrained, same lengths", unconstrained(lengths))
+                lengths = measure(r, "guided", guided, checked)
 
 
 def report(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
     rows: list[dict[str, Any]] = []
+    groups: dict[str, list[dict[str, Any]]] = {}
     for v, got in results.items():
-        runs: dict[str, list[float]] = {}
+        swept = len({r.get("threads") for r in got if "run" in r}) > 1
         for r in got:
             if "run" in r:
-                runs.setdefault(r["run"], []).append(r["output_tok_per_s"])
+                groups.setdefault(f"{v}@{r['threads']}" if swept else v, []).append(r)
+    for v, got in groups.items():
+        runs: dict[str, list[float]] = {}
+        for r in got:
+            runs.setdefault(r["run"], []).append(r["output_tok_per_s"])
         free = statistics.median(runs.get("unconstrained, same lengths", [0])) or None
         # the steadier figure: each round's guided run against the unconstrained run beside it
         guided, free_runs = runs.get("guided", []), runs.get("unconstrained, same lengths", [])
