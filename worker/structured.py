@@ -279,10 +279,14 @@ def install_batched_guided_step(threads: int = 0) -> None:
     )
 
 
-GRAMMARS_KEPT = 512  # distinct grammars remembered per engine process
+# Per vLLM process. A kept matcher's lexer cache grows with use (up to a few MiB for a big
+# schema), times the groups per grammar: a workload cycling through more distinct schemas than
+# this compiles again, as vLLM always does. Validated grammars cost only their key.
+GRAMMARS_KEPT = 64
+VALIDATED_KEPT = 4096
 
 
-def install_grammar_reuse(groups: int = 0, entries: int = GRAMMARS_KEPT) -> None:
+def install_grammar_reuse(groups: int = 0) -> None:
     """Compile each distinct grammar a few times per vLLM process instead of once per request
     (from the vLLM plugin in ``worker.engine``). Measured in docs/benchmarks.md.
 
@@ -311,9 +315,9 @@ def install_grammar_reuse(groups: int = 0, entries: int = GRAMMARS_KEPT) -> None
     if not hasattr(backend_guidance.llguidance.LLMatcher, "deep_copy"):
         return
     groups = groups or grammar_threads()
-    backend.compile_grammar = _reused_grammars(backend.compile_grammar, groups, entries)  # type: ignore[method-assign]
+    backend.compile_grammar = _reused_grammars(backend.compile_grammar, groups, GRAMMARS_KEPT)  # type: ignore[method-assign]
     backend_guidance.validate_guidance_grammar = _validated_once(
-        backend_guidance.validate_guidance_grammar, get_structured_output_key, entries
+        backend_guidance.validate_guidance_grammar, get_structured_output_key, VALIDATED_KEPT
     )
     logging.getLogger("vllm.vqueue").info(
         "vqueue: requests share compiled grammars (up to %d per distinct grammar)", groups
