@@ -1,5 +1,5 @@
 """Guided JSON against the same prompts unconstrained, in raw vLLM (no queue): with vLLM's own
-guided-decoding step (``stock``), with vqueue's plugin batching it and compiling each grammar once
+guided-decoding step (``stock``), with vqueue's plugin batching it and reusing compiled grammars
 (``parallel``, see worker/structured.py), the plugin batching only (``parallel-noreuse``), the
 plugin with vLLM's asynchronous scheduling off (``parallel-sync``), and the plugin in an
 in-process engine that times the engine step's parts (``inproc``, attribution only; with
