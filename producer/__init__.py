@@ -1,5 +1,23 @@
 """How work gets in and results get out: the client, the CLI, the batch store."""
 
-from .client import AsyncClient, Batch, BatchNotFound, Client, VQueueError, WaitTimeout
+from .client import (
+    AsyncClient,
+    Batch,
+    BatchNotFound,
+    Client,
+    Refused,
+    Stalled,
+    VQueueError,
+    WaitTimeout,
+)
 
-__all__ = ["AsyncClient", "Batch", "BatchNotFound", "Client", "VQueueError", "WaitTimeout"]
+__all__ = [
+    "AsyncClient",
+    "Batch",
+    "BatchNotFound",
+    "Client",
+    "Refused",
+    "Stalled",
+    "VQueueError",
+    "WaitTimeout",
+]

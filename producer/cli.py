@@ -1,14 +1,19 @@
 """``vqueue``: submit JSONL files, follow batches, read results, start workers.
 
-Data goes to stdout, progress and errors to stderr. Errors are one line and a named exit code:
+Data goes to stdout, progress and errors to stderr. Errors are one line and a named exit code,
+one table for the whole binary (``vqueue worker`` exits with the worker's):
 
     0 OK    1 FAILURE    2 USAGE    3 INPUT (file unusable)    4 CONNECT (Redis unreachable)
     5 NOT_FOUND (no such batch)    6 TIMEOUT (--timeout passed while waiting)
     7 REFUSED (a rate or queue-depth limit, with VQUEUE_ON_LIMIT=refuse)
+    8 STALLED (waiting ended: no live worker, or no new result, for too long)
+    9 ENGINE (a worker's engine failed to start or died: restart it)
+    10 CONFIG (`vqueue worker --check`: this configuration cannot run)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -34,7 +39,7 @@ from schemas import (
 )
 
 RET_OK, RET_FAILURE, RET_USAGE, RET_INPUT, RET_CONNECT, RET_NOT_FOUND, RET_TIMEOUT = range(7)
-RET_REFUSED = 7
+RET_REFUSED, RET_STALLED, RET_ENGINE, RET_CONFIG = 7, 8, 9, 10
 # Per-line errors echoed to stderr before the rest are only counted (all go to --errors).
 MAX_ECHOED_ERRORS = 20
 
@@ -81,6 +86,17 @@ def describe_settings_error(exc: ValidationError) -> str:
             msg = "VQUEUE_" + "_".join(str(x) for x in err["loc"]).upper() + ": " + msg
         parts.append(msg)
     return "; ".join(parts)
+
+
+def _check_batch(batch: str | None) -> None:
+    if batch is None:
+        return
+    from .store import check_batch_id
+
+    try:
+        check_batch_id(batch)
+    except ValueError as exc:
+        fail(str(exc), RET_USAGE)
 
 
 def _say(message: str) -> None:
@@ -161,6 +177,7 @@ def submit(
 
     if (out_path or errors_path) and not wait:
         fail("--out and --errors need --wait (or use 'vqueue results BATCH' later)", RET_USAGE)
+    _check_batch(batch_id)
     try:
         fh: BinaryIO = sys.stdin.buffer if file == "-" else open(file, "rb")  # noqa: SIM115
     except OSError as exc:
@@ -173,9 +190,20 @@ def submit(
         errors_out = stack.enter_context(open(errors_path, "w")) if errors_path else None
         bar = _bar(quiet, total=size, unit="B", unit_scale=True, desc="submit")
         created = client.store.create(
-            batch, "vqueue", source=None if file == "-" else os.path.abspath(file)
+            batch,
+            "vqueue",
+            source=None if file == "-" else os.path.abspath(file),
+            queue=client.settings.queue,
         )
         good = rejected = 0
+
+        def reject(line_no: int, ident: str | None, error: str) -> None:
+            nonlocal rejected
+            rejected += 1
+            if rejected <= MAX_ECHOED_ERRORS:
+                bar.write(f"line {line_no}: {error}", file=sys.stderr)
+            if errors_out:
+                errors_out.write(json.dumps(rejected_line(ident, line_no, error)) + "\n")
 
         def lines() -> Iterator[bytes]:
             pending = 0  # bar updates per 64 kB, not per line: they cost more than a parse
@@ -188,30 +216,29 @@ def submit(
             bar.update(pending)
 
         def envelopes() -> Iterator[Envelope]:
-            """The good lines as envelopes; bad ones are reported here and skipped."""
-            nonlocal good, rejected
+            """The good lines as envelopes; bad ones are reported here and skipped: whatever a
+            line holds, it is rejected alone, never the file."""
+            nonlocal good
             for p in parse_lines(lines(), default_priority=priority, default_system=system):
                 if p.error is not None:
-                    rejected += 1
-                    if rejected <= MAX_ECHOED_ERRORS:
-                        bar.write(f"line {p.line}: {p.error}", file=sys.stderr)
-                    if errors_out:
-                        line = rejected_line(p.custom_id, p.line, p.error)
-                        errors_out.write(json.dumps(line) + "\n")
+                    reject(p.line, p.custom_id, p.error)
                     continue
                 name = getattr(p.job, "template", None)
                 if name is not None and not client.template_known(name):
-                    rejected += 1
                     error = f"unknown template {name!r} (see 'vqueue templates list')"
-                    if rejected <= MAX_ECHOED_ERRORS:
-                        bar.write(f"line {p.line}: {error}", file=sys.stderr)
-                    if errors_out:
-                        errors_out.write(json.dumps(rejected_line(p.job.id, p.line, error)) + "\n")
+                    reject(p.line, p.job.id, error)
+                    continue
+                try:
+                    env = Envelope(
+                        job=p.job, batch=batch, format=p.format, model=p.model,
+                        enqueued_at=time.time(),
+                    )  # fmt: skip
+                    env.wire()
+                except (ValueError, RecursionError) as exc:
+                    reject(p.line, p.job.id, f"cannot be enqueued: {exc}")
                     continue
                 good += 1
-                yield Envelope(
-                    job=p.job, batch=batch, format=p.format, model=p.model, enqueued_at=time.time()
-                )
+                yield env
 
         from .client import Refused
 
@@ -220,6 +247,12 @@ def submit(
         except Refused as exc:
             client.store.seal(batch, rejected=rejected)
             fail(f"{exc}; the jobs before it are enqueued in batch {batch}", RET_REFUSED)
+        except BaseException:
+            # whatever stopped submission (Redis gone, Ctrl-C), the jobs already sent still
+            # form a batch that can finish and be read
+            with contextlib.suppress(Exception):
+                client.store.seal(batch, rejected=rejected)
+            raise
         client.store.seal(batch, rejected=rejected)
         bar.close()
         if rejected > MAX_ECHOED_ERRORS:
@@ -282,7 +315,7 @@ def _follow(
     timeout: float | None,
 ) -> BatchStatus:
     """Stream results to the files with a done/failed/rate/ETA bar until the batch is done."""
-    from .client import WaitTimeout
+    from .client import Stalled, WaitTimeout
 
     st = client.batch(batch).status()
     bar = _bar(
@@ -303,6 +336,9 @@ def _follow(
     except WaitTimeout as exc:
         bar.close()
         fail(str(exc), RET_TIMEOUT)
+    except Stalled as exc:
+        bar.close()
+        fail(str(exc), RET_STALLED)
     bar.close()
     st = client.batch(batch).status()
     click.echo(
@@ -320,6 +356,7 @@ def _follow(
 @click.pass_obj
 def status(obj: Ctx, batch: str | None, as_json: bool, watch: bool) -> None:
     """A batch's progress, or (without BATCH) the live workers and the queue depth."""
+    _check_batch(batch)
     client = obj.client
     while True:
         text = _batch_status(client, batch, as_json) if batch else _fleet_status(client, as_json)
@@ -380,7 +417,23 @@ def _fleet_status(client: Any, as_json: bool) -> str:
             f" running={w.get('engine_running', '-')} waiting={w.get('engine_waiting', '-')}"
             f" kv={f'{kv:.0%}' if kv is not None else '-'} up={up:.0f}s"
         )
+        engine = w.get("engine")
+        if engine:
+            lines.append(f"    engine: {describe_plan(engine)}")
     return "\n".join(lines)
+
+
+def describe_plan(plan: dict[str, Any]) -> str:
+    """One line of a worker's engine plan (``worker.vllm_ext.compat.Plan``), degraded first."""
+    on = [k for k in ("guided_batching", "grammar_reuse", "mask_reorder") if plan.get(k)]
+    text = (
+        f"vLLM {plan.get('vllm')}, model runner {plan.get('model_runner')}, early stop "
+        f"{plan.get('monitor')}, {', '.join(on) or 'no vqueue patches'}"
+    )
+    missing = plan.get("missing") or {}
+    if missing:
+        text = f"DEGRADED ({', '.join(missing)} not installed: see its log) " + text
+    return text
 
 
 # ---------------------------------------------------------------------------------- results
@@ -409,8 +462,9 @@ def results(
     table: bool,
 ) -> None:
     """Write a batch's results as JSONL (OpenAI batch output lines for OpenAI-format jobs)."""
-    from .client import BatchNotFound, WaitTimeout
+    from .client import BatchNotFound, Stalled, WaitTimeout
 
+    _check_batch(batch)
     client = obj.client
     try:
         client.batch(batch).status()
@@ -428,6 +482,8 @@ def results(
                 _write_result(res, out, errors)
         except WaitTimeout as exc:
             fail(str(exc), RET_TIMEOUT)
+        except Stalled as exc:
+            fail(str(exc), RET_STALLED)
 
 
 def render_table(rows: list[JobResult], width: int = 60) -> str:
@@ -567,7 +623,8 @@ def templates_add(obj: Ctx, file: str) -> None:
     parsed = []
     for i, item in enumerate(items):
         try:
-            t = Template.model_validate(item)
+            # the examples are checked against the schema by add_template, under a time limit
+            t = Template.model_validate(item, context={"stored": True})
         except ValidationError as exc:
             from .inputs import describe
 
@@ -576,7 +633,10 @@ def templates_add(obj: Ctx, file: str) -> None:
             fail(f"{file}: {t.name!r} is a built-in template; choose another name", RET_INPUT)
         parsed.append(t)
     for t in parsed:
-        obj.client.store.add_template(t)
+        try:
+            obj.client.store.add_template(t)
+        except ValueError as exc:
+            fail(f"{file}: template {t.name!r}: {exc}", RET_INPUT)
     click.echo(
         f"{len(parsed)} template(s) registered: {', '.join(t.name for t in parsed)}", err=True
     )
@@ -656,6 +716,13 @@ def schema(kind: str) -> None:
     help="Prometheus port, 0 for none [env VQUEUE_METRICS_PORT; default 9808 + first GPU id]",
 )
 @click.option("-l", "--loglevel", default="INFO", show_default=True)
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Start nothing: print vLLM, torch, the device and which optimizations this worker's "
+    "engine would run with; exit 10 when the configuration cannot run.",
+)
+@click.option("--json", "as_json", is_flag=True, help="With --check: JSON output.")
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
 def worker(
@@ -666,6 +733,8 @@ def worker(
     hostname: str | None,
     metrics_port: int | None,
     loglevel: str,
+    check: bool,
+    as_json: bool,
     celery_args: tuple[str, ...],
 ) -> None:
     """Start a worker: one Celery process hosting one persistent vLLM engine.
@@ -693,6 +762,10 @@ def worker(
         env["VQUEUE_CONCURRENCY"] = str(concurrency)
     # vLLM starts its engine core as a child process; fork in a threaded process can deadlock.
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if check:
+        env.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the report's
+        argv = [sys.executable, "-m", "producer.cli", "check-engine"]
+        os.execvpe(sys.executable, argv + (["--json"] if as_json else []), env)
     ws = s.model_copy(update={"concurrency": concurrency} if concurrency else {})
     from celery.utils.nodenames import host_format
 
@@ -726,6 +799,38 @@ def worker(
         *celery_args,
     ]
     os.execvpe(argv[0], argv, env)
+
+
+@cli.command("check-engine", hidden=True)
+@click.option("--json", "as_json", is_flag=True)
+def check_engine(as_json: bool) -> None:
+    """``vqueue worker --check``, in the worker's environment (GPUs, model, settings)."""
+    import logging
+
+    logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    from worker.engine import ConfigError, check
+
+    try:
+        settings = get_settings()
+        report = check(settings)
+    except ValidationError as exc:
+        fail(f"invalid settings: {describe_settings_error(exc)}", RET_CONFIG)
+    except (ConfigError, FileNotFoundError) as exc:
+        fail(f"this worker cannot run: {exc}", RET_CONFIG)
+    except Exception as exc:  # noqa: BLE001  # vLLM refusing the model or the engine arguments
+        fail(f"this worker cannot run: {type(exc).__name__}: {exc}", RET_CONFIG)
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    for key in ("vllm", "torch", "device", "gpus", "model", "model_path", "plugin_registered"):
+        click.echo(f"{key:<18} {report[key]}")
+    click.echo(f"{'model_runner':<18} {report['model_runner']}")
+    click.echo(f"{'early_stop':<18} {report['monitor']}")
+    for key in ("guided_batching", "grammar_reuse", "mask_reorder"):
+        click.echo(f"{key:<18} {'on' if report[key] else 'off'}")
+    for name, why in report["missing"].items():
+        click.echo(f"{'not installed':<18} {name}: {why}")
+    click.echo(f"{'status':<18} {'DEGRADED' if report['degraded'] else 'ok'}")
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ Only Celery, Redis and pydantic are imported here: a producer never needs vLLM o
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -24,6 +25,7 @@ from schemas import BatchStatus, Envelope, Job, JobResult, Settings, get_setting
 from .routing import Router
 from .store import BatchStore
 
+log = logging.getLogger("vqueue")
 _job_adapter: TypeAdapter[Any] = TypeAdapter(Job)
 # Jobs per Redis pipeline flush: large enough to amortize round trips, small enough to stream;
 # and a byte bound, so a chunk of long documents stays a reasonable request.
@@ -40,7 +42,13 @@ class BatchNotFound(VQueueError):
 
 
 class WaitTimeout(VQueueError):
-    pass
+    """The caller's own ``timeout`` passed."""
+
+
+class Stalled(VQueueError):
+    """Waiting stopped making sense: no live worker consumes the batch's queue, or the batch
+    has had no new result for too long (``VQUEUE_WAIT_NO_WORKER_S``, ``VQUEUE_WAIT_STALL_S``).
+    The batch itself is untouched: its jobs stay queued, and waiting again resumes."""
 
 
 class Refused(VQueueError):
@@ -49,6 +57,89 @@ class Refused(VQueueError):
 
 def new_batch_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
+
+
+# How often a waiting reader asks whether any worker consumes the batch's queue.
+LIVENESS_CHECK_S = 5.0
+
+
+class _Follow:
+    """One reader's wait on a batch, shared by every loop that waits (``Batch.results``,
+    ``Batch.wait``, ``Batch.result``, ``AsyncClient.results``): when the batch is complete, and
+    when waiting stopped making sense. Nothing here reads results; the loops do."""
+
+    def __init__(self, batch: Batch, timeout: float | None) -> None:
+        s = batch.client.settings
+        self.batch, self.store = batch, batch.client.store
+        self.queue = self.store.queue_of(batch.id) or s.queue
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.no_worker_s, self.stall_s = s.wait_no_worker_s, s.wait_stall_s
+        self.complete = False
+        now = time.monotonic()
+        self.done, self.progress_at = -1, now
+        self.checked_at, self.alone_since = 0.0, None  # type: float, float | None
+        self.told_alone = self.told_stall = False
+
+    def check(self) -> bool:
+        """After a wait that brought nothing: True once every job has a result (read once
+        more, then stop); raises ``WaitTimeout`` or ``Stalled`` when waiting should end."""
+        # A worker stores a result and counts it in one script, so once the counts say complete
+        # every result is in the stream; the caller reads once more to take any stored since.
+        sealed = self.store.is_sealed(self.batch.id)  # first: once sealed, the total is final
+        st = self.batch.status()
+        self.complete = sealed and st.done >= st.total
+        if self.complete:
+            return True
+        now = time.monotonic()
+        if st.done != self.done:
+            self.done, self.progress_at, self.told_stall = st.done, now, False
+        if self.deadline is not None and now > self.deadline:
+            raise WaitTimeout(f"batch {self.batch.id}: {st.remaining} jobs still running")
+        if now - self.checked_at >= LIVENESS_CHECK_S:
+            self.checked_at = now
+            self._check_workers(now, st.remaining)
+        idle = now - self.progress_at
+        if self.stall_s and idle > self.stall_s:
+            raise Stalled(
+                f"batch {self.batch.id}: no new result for {idle:.0f}s with {st.remaining} jobs "
+                f"left (VQUEUE_WAIT_STALL_S={self.stall_s:g}); the jobs stay queued. If a "
+                f"worker is idle, submit the input again with --batch {self.batch.id}: only its "
+                "unfinished jobs are sent"
+            )
+        if self.stall_s and idle > self.stall_s / 2 and not self.told_stall:
+            self.told_stall = True
+            self._say(f"batch {self.batch.id}: no new result for {idle:.0f}s")
+        return False
+
+    def _check_workers(self, now: float, remaining: int) -> None:
+        live = any(w.get("queue") == self.queue for w in self.store.workers())
+        if live:
+            if self.alone_since is not None:
+                self._say(f"a worker consumes queue {self.queue!r} again")
+            self.alone_since, self.told_alone = None, False
+            return
+        if self.alone_since is None:
+            self.alone_since = now
+        if not self.told_alone:
+            self.told_alone = True
+            self._say(
+                f"no live worker consumes queue {self.queue!r}: the batch's {remaining} "
+                "remaining jobs wait there until one starts"
+            )
+        alone = now - self.alone_since
+        if self.no_worker_s and alone > self.no_worker_s:
+            raise Stalled(
+                f"batch {self.batch.id}: no live worker has consumed queue {self.queue!r} for "
+                f"{alone:.0f}s (VQUEUE_WAIT_NO_WORKER_S={self.no_worker_s:g}); its "
+                f"{remaining} remaining jobs stay queued"
+            )
+
+    def _say(self, message: str) -> None:
+        say = self.batch.client.on_wait
+        if say is not None:
+            say(message)
+        else:
+            log.warning("%s", message)
 
 
 class Batch:
@@ -74,48 +165,41 @@ class Batch:
         """Every result of the batch, in completion order, blocking until the last one.
 
         ``after`` resumes from a stream entry id (``Batch.last_entry``) instead of the start.
+        Raises ``WaitTimeout`` past ``timeout``, and ``Stalled`` when no live worker consumes
+        the batch's queue, or no result comes, for longer than the settings allow.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        follow = _Follow(self, timeout)
         store = self.client.store
-        complete = False
         while True:
-            page = store.read(self.id, after, block_ms=None if complete else 1000)
+            page = store.read(self.id, after, block_ms=None if follow.complete else 1000)
             for after, res in page:
                 self.last_entry = after
                 yield res
             if page:
                 continue
-            if complete:
+            if follow.complete:
                 return
-            # A worker stores a result and counts it in one script, so once the counts say
-            # complete every result is in the stream; one more read takes any stored since the
-            # empty wait above (returning here instead lost them).
-            sealed = store.is_sealed(self.id)  # first: once sealed, the total is final
-            st = self.status()
-            complete = sealed and st.done >= st.total
-            if not complete and deadline is not None and time.monotonic() > deadline:
-                raise WaitTimeout(f"batch {self.id}: {st.remaining} jobs still running")
+            follow.check()
 
     def wait(self, timeout: float | None = None, poll_s: float = 0.5) -> BatchStatus:
         """Block until every job of the batch has a result; returns the final counters."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            st = self.status()
-            if self.client.store.is_sealed(self.id) and st.done >= st.total:
-                return st
-            if deadline is not None and time.monotonic() > deadline:
-                raise WaitTimeout(f"batch {self.id}: {st.remaining} jobs still running")
+        follow = _Follow(self, timeout)
+        while not follow.check():
             time.sleep(poll_s)
+        return self.status()
 
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Wait for one job's result."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        follow = _Follow(self, timeout)
         while True:
             res = self.client.store.result(self.id, job_id)
             if res is not None:
                 return res
-            if deadline is not None and time.monotonic() > deadline:
-                raise WaitTimeout(f"job {job_id} of batch {self.id} has no result yet")
+            if follow.check():  # complete: its result is stored by now, or it is not in the batch
+                res = self.client.store.result(self.id, job_id)
+                if res is None:
+                    raise BatchNotFound(f"batch {self.id} is complete and has no job {job_id!r}")
+                return res
             self.client.store.read(self.id, "$", block_ms=500)  # wake on the next result
 
 
@@ -169,7 +253,7 @@ class Client:
         it runs again.
         """
         batch_id = batch or new_batch_id()
-        self.store.create(batch_id, "vqueue", source)
+        self.store.create(batch_id, "vqueue", source, queue=self.settings.queue)
         chunk: list[Envelope] = []
         size = skipped = 0
         # a chunk never outgrows the queue-depth limit, or it could never be admitted
@@ -177,7 +261,7 @@ class Client:
         for item in jobs:
             env = self._envelope(item, batch_id)
             chunk.append(env)
-            size += _size(env)
+            size += len(env.wire()) + 1024  # the envelope, and Celery's headers around it
             if len(chunk) >= chunk_jobs or size >= PUBLISH_CHUNK_BYTES:
                 skipped += self._publish(chunk, batch_id, force)
                 if on_progress:
@@ -197,8 +281,8 @@ class Client:
         self.store.seal(batch_id)
 
     def _envelope(self, item: Any, batch_id: str) -> Envelope:
-        if isinstance(item, Envelope):
-            return item
+        if isinstance(item, Envelope):  # it joins this batch, whatever batch it was made for
+            return item if item.batch == batch_id else item.model_copy(update={"batch": batch_id})
         job = item if not isinstance(item, dict) else _job_adapter.validate_python(item)
         name = getattr(job, "template", None)
         if name is not None and not self.template_known(name):
@@ -254,7 +338,7 @@ class Client:
             else:
                 taken += bite
         while s.max_queue_depth:
-            depth = self.queue_depth()
+            depth = self.waiting()
             if depth + n <= s.max_queue_depth:
                 return
             limit = f"VQUEUE_MAX_QUEUE_DEPTH={s.max_queue_depth}"
@@ -283,20 +367,23 @@ class Client:
         return True
 
     def queue_depth(self, queue: str | None = None) -> int:
+        """Jobs waiting in one queue (by default the shared one)."""
         from .publish import queue_depth
 
         return queue_depth(self.broker, queue or self.settings.queue)
 
+    def waiting(self) -> int:
+        """Jobs waiting for this client's queue's workers: the shared queue and each live
+        worker's own (prefix routing sends most jobs there), which ``max_queue_depth`` bounds."""
+        from .routing import worker_queue
 
-def _size(env: Envelope) -> int:
-    """Roughly the message's bytes: the job's long texts dominate."""
-    job = env.job
-    n = 512
-    for name in ("text", "instruction", "context"):
-        n += len(getattr(job, name, None) or "")
-    for m in getattr(job, "messages", None) or ():
-        n += len(m.content)
-    return n
+        queues = [self.settings.queue]
+        queues += [
+            worker_queue(self.settings.queue, w["name"])
+            for w in self.store.workers()
+            if w.get("queue") == self.settings.queue and w.get("routed")
+        ]
+        return sum(self.queue_depth(q) for q in queues)
 
 
 class AsyncClient:
@@ -330,13 +417,13 @@ class AsyncClient:
         return await asyncio.to_thread(self._sync.batch(batch).status)
 
     async def results(self, batch: str, timeout: float | None = None) -> AsyncIterator[JobResult]:
-        """Results of ``batch`` as they complete, until the last one."""
+        """Results of ``batch`` as they complete, until the last one (``Batch.results``'s
+        rules: ``WaitTimeout``, ``Stalled``)."""
         store = self._sync.store
         stream, after = store.key(batch, "results"), "0-0"
-        deadline = None if timeout is None else time.monotonic() + timeout
-        complete = False
+        follow = await asyncio.to_thread(_Follow, self._sync.batch(batch), timeout)
         while True:
-            if complete:
+            if follow.complete:
                 low = f"({after}" if after != "0-0" else "-"
                 entries = await self._r.xrange(stream, min=low, count=1000)
             else:
@@ -347,14 +434,9 @@ class AsyncClient:
                 yield JobResult.model_validate_json(fields["result"])
             if entries:
                 continue
-            if complete:
+            if follow.complete:
                 return
-            # as in ``Batch.results``: once complete, one more read before returning
-            sealed = await self._r.hget(store.key(batch), "sealed") == "1"
-            st = await self.status(batch)
-            complete = sealed and st.done >= st.total
-            if not complete and deadline is not None and time.monotonic() > deadline:
-                raise WaitTimeout(f"batch {batch}: {st.remaining} jobs still running")
+            await asyncio.to_thread(follow.check)
 
     async def result(self, batch: str, job_id: str, timeout: float | None = None) -> JobResult:
         return await asyncio.to_thread(self._sync.batch(batch).result, job_id, timeout)

@@ -71,6 +71,18 @@ def read_lines(fh: BinaryIO) -> Iterator[bytes]:
 def parse_line(
     n: int, raw: bytes, default_priority: int | None = None, default_system: str | None = None
 ) -> Parsed:
+    """One line as a job, or its error; no line, however hostile, raises out of here."""
+    try:
+        return _parse_line(n, raw, default_priority, default_system)
+    except RecursionError:
+        return Parsed(n, error="the line nests too deeply to read")
+    except Exception as exc:  # noqa: BLE001  # a line must never stop the file
+        return Parsed(n, error=f"could not read the line ({type(exc).__name__}: {exc})"[:500])
+
+
+def _parse_line(
+    n: int, raw: bytes, default_priority: int | None, default_system: str | None
+) -> Parsed:
     if raw == b"\0TOO_LONG" or len(raw) > MAX_LINE_BYTES:
         return Parsed(n, error=f"line is longer than {MAX_LINE_BYTES} bytes")
     try:

@@ -74,7 +74,7 @@ def task_message(env: Envelope, queue: str) -> tuple[str, str]:
     }
     message = {
         # protocol v2 body: [args, kwargs, embed]; plain JSON (no body_encoding) decodes as is
-        "body": f"[[{env.model_dump_json()}], {{}}, {_EMBED}]",
+        "body": f"[[{env.wire()}], {{}}, {_EMBED}]",
         "content-encoding": "utf-8",
         "content-type": "application/json",
         "headers": headers,

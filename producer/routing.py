@@ -8,7 +8,8 @@ holds ``spill`` jobs is passed over for the least-loaded one: caches stay warm w
 With no live worker, jobs go to the shared queue, which any worker takes from.
 
 A dead worker's queue is not stranded: live workers move its jobs to the shared queue
-(``rescue_orphans``), and a worker stopping cleanly moves its own (``drain``).
+(``rescue_orphans``, from the worker registry in ``store``), and a worker stopping cleanly moves
+its own.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import redis
 
 from schemas import Envelope
 
-from .publish import PRIORITY_SEP, queue_depth, queue_keys
+from .publish import queue_depth, queue_keys
 
 
 def worker_queue(queue: str, worker: str) -> str:
@@ -82,12 +83,17 @@ def move_all(broker: redis.Redis, src: str, dst: str) -> int:
     return moved
 
 
-def rescue_orphans(broker: redis.Redis, queue: str, live: set[str]) -> int:
-    """Move the jobs of workers that are gone (no heartbeat) to the shared queue."""
-    own = set()  # each worker's queue once, whichever of its priority lists were found
-    for key in broker.scan_iter(match=f"{queue}@*", count=1000):
-        name = key.decode() if isinstance(key, bytes) else str(key)
-        base, sep, step = name.rpartition(PRIORITY_SEP)
-        own.add(base if sep and step.isdigit() else name)
-    prefix = len(queue) + 1
-    return sum(move_all(broker, q, queue) for q in own if q[prefix:] not in live)
+def rescue_orphans(store: Any, broker: redis.Redis, queue: str, watch_s: float) -> int:
+    """Move the jobs in the own queues of ``queue``'s workers that are gone (heartbeat run out)
+    to the shared queue: no scan of the keyspace. A dead worker's unacknowledged jobs return to
+    its own queue (kombu restores a job to the queue it came from) once the visibility timeout
+    has passed, so its queue is watched for ``watch_s`` after its death, then forgotten."""
+    moved = 0
+    now = time.time()
+    for name, gone_at in store.gone_workers(queue):
+        own = worker_queue(queue, name)
+        if queue_depth(broker, own):
+            moved += move_all(broker, own, queue)
+        if now - gone_at > watch_s:
+            store.forget_worker(name)
+    return moved

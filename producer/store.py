@@ -6,8 +6,12 @@ Per batch ``b`` (keys under the settings' ``key_prefix``):
 - ``{p}:batch:{b}:done``     hash: job id -> "" once enqueued, its stream entry id once done
 - ``{p}:batch:{b}:results``  stream: one entry per finished job, ``result`` = JobResult JSON
 - ``{p}:batch:{b}:attempts`` hash: job id -> deliveries started (a poison job is dead-lettered)
-- ``{p}:dlq``                hash: task id (``batch:job``) -> dead letter JSON, envelope included
-- ``{p}:dlq:index``          sorted set: task ids by the time they died
+- ``{p}:dlq:entry:{task}``   string: one dead letter (task id ``batch:job``), envelope included;
+                             expires with the results (``result_ttl_s``)
+- ``{p}:dlq:index``          sorted set: task ids by the time they died (pruned as they expire)
+- ``{p}:workers``            sorted set: worker name -> when its heartbeat expires (the registry)
+- ``{p}:workers:queue``      hash: worker name -> the queue it consumes (to rescue a dead one's)
+- ``{p}:worker:{name}``      string: the worker's last heartbeat (JSON), with a TTL
 
 A stream lets any number of readers follow a batch as it completes, resume after a disconnect
 from the last entry id they saw, and read the whole batch again later, without polling.
@@ -19,6 +23,9 @@ Both are Lua scripts, so no interleaving of producers and workers can count twic
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +33,7 @@ from typing import Any
 import redis
 
 from schemas import BatchStatus, JobResult, Settings
+from schemas.jobs import BATCH_PATTERN
 from schemas.templates import Template
 
 # KEYS: batch hash, done hash, results stream. ARGV: job id, result json, status field, ttl,
@@ -87,12 +95,16 @@ return 1
 """
 
 
-# KEYS: the tenant's bucket. ARGV: rate (tokens/s), burst, n. Takes n tokens if there are n,
-# and returns 0; else takes nothing and returns the milliseconds until there will be.
+# KEYS: the tenant's bucket. ARGV: rate (tokens/s), burst, n, and the time (seconds; "" for
+# Redis's own clock, which every producer shares). Takes n tokens if there are n, and returns
+# 0; else takes nothing and returns the milliseconds until there will be.
 _TAKE = """
 local rate, burst, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local now = tonumber(ARGV[4])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+end
 local b = redis.call('HMGET', KEYS[1], 'tokens', 'at')
 local tokens = tonumber(b[1]) or burst
 local at = tonumber(b[2]) or now
@@ -106,6 +118,34 @@ return wait
 
 
 POOL_CONNECTIONS = 64  # per process; threads beyond it queue for a connection
+TEMPLATE_CHECK_S = 5.0  # for a template's examples against its schema, at registration
+_STORED = {"stored": True}  # validation context: checked when it was added
+_CHECK_EXAMPLES = """
+import json, sys
+from schemas.templates import Template, examples_problem
+print(json.dumps(examples_problem(Template.model_validate_json(sys.stdin.read(),
+                                                               context={"stored": True}))))
+"""
+
+
+def _examples_problem_bounded(template: Template, timeout_s: float) -> str | None:
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHECK_EXAMPLES],
+            input=template.model_dump_json(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return (
+            f"checking the examples against json_schema took over {timeout_s:g}s (a pattern "
+            "that backtracks, like ^(a+)+$?); simplify the schema's patterns"
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the template check failed: {proc.stderr.strip()[-500:]}")
+    problem: str | None = json.loads(proc.stdout)
+    return problem
 
 
 def _retrying_client(url: str, retry_s: float) -> redis.Redis:
@@ -155,16 +195,31 @@ class BatchStore:
         return cls.from_url(s.backend_url(), s.key_prefix, s.result_ttl_s, s.redis_retry_s)
 
     # -- extraction templates users register (schemas/templates.py has the built-in ones)
-    def add_template(self, template: Template) -> None:
+    def add_template(self, template: Template, check_s: float = TEMPLATE_CHECK_S) -> None:
+        """Register ``template`` for every worker. Its worked examples are checked against its
+        schema here, once, in a child process given ``check_s`` seconds (a ``pattern`` can keep
+        Python's regex engine busy for minutes); workers read it back without checking again.
+        Raises ``ValueError`` when the examples do not fit, or the check runs out of time."""
+        problem = _examples_problem_bounded(template, check_s)
+        if problem:
+            raise ValueError(problem)
         self.r.hset(f"{self.prefix}:templates", template.name, template.model_dump_json())
 
     def template(self, name: str) -> Template | None:
+        """A registered template, as it was checked when added (``pydantic.ValidationError``
+        if what is stored no longer reads as one)."""
         raw = self.r.hget(f"{self.prefix}:templates", name)
-        return Template.model_validate_json(raw) if raw else None
+        return Template.model_validate_json(raw, context=_STORED) if raw else None
 
     def templates(self) -> list[Template]:
-        raw = self.r.hgetall(f"{self.prefix}:templates")
-        return [Template.model_validate_json(v) for _, v in sorted(raw.items())]
+        """Every registered template that still reads as one."""
+        out = []
+        for _, raw in sorted(self.r.hgetall(f"{self.prefix}:templates").items()):
+            try:
+                out.append(Template.model_validate_json(raw, context=_STORED))
+            except ValueError:  # pydantic's ValidationError: `vqueue templates add` replaces it
+                continue
+        return out
 
     def remove_template(self, name: str) -> bool:
         return bool(self.r.hdel(f"{self.prefix}:templates", name))
@@ -173,11 +228,13 @@ class BatchStore:
         return f"{self.prefix}:batch:{batch}" + (f":{part}" if part else "")
 
     # -- producer side
-    def create(self, batch: str, fmt: str, source: str | None = None) -> bool:
-        """Open a batch; an existing one keeps its counters (more jobs may be added to it)."""
+    def create(self, batch: str, fmt: str, source: str | None = None, queue: str = "") -> bool:
+        """Open a batch; an existing one keeps its counters (more jobs may be added to it).
+        ``queue``: where its jobs go, so a reader can tell whether any worker consumes it."""
+        check_batch_id(batch)
         now = time.time()
         fields: dict[str, Any] = {"total": 0, "completed": 0, "failed": 0, "rejected": 0}
-        fields.update(sealed=0, created_at=now, format=fmt, source=source or "")
+        fields.update(sealed=0, created_at=now, format=fmt, source=source or "", queue=queue)
         key = self.key(batch)
         pipe = self.r.pipeline()
         for name, value in fields.items():
@@ -205,11 +262,15 @@ class BatchStore:
         pipe.hset(self.key(batch), "sealed", 1)
         pipe.execute()
 
-    def take_tokens(self, tenant: str, n: int, rate: float, burst: int) -> float:
+    def take_tokens(
+        self, tenant: str, n: int, rate: float, burst: int, now: float | None = None
+    ) -> float:
         """Take ``n`` submissions from ``tenant``'s token bucket (shared by all its producers):
-        0 if taken, else the seconds to wait before asking again."""
+        0 if taken, else the seconds to wait before asking again. ``now``: a clock of the
+        caller's (tests); by default Redis's own, the same for every producer."""
         key = f"{self.prefix}:tenant:{tenant}:bucket"
-        return int(self._take(keys=[key], args=[rate, burst, n])) / 1000
+        args = [rate, burst, n, "" if now is None else repr(now)]
+        return int(self._take(keys=[key], args=args)) / 1000
 
     # -- worker side
     def record(self, result: JobResult) -> bool:
@@ -243,6 +304,10 @@ class BatchStore:
 
     def is_sealed(self, batch: str) -> bool:
         return self.r.hget(self.key(batch), "sealed") == "1"
+
+    def queue_of(self, batch: str) -> str | None:
+        """The queue the batch's jobs were sent to (None for batches made before it was kept)."""
+        return self.r.hget(self.key(batch), "queue") or None
 
     def read(
         self, batch: str, after: str = "0-0", block_ms: int | None = None, count: int = 1000
@@ -286,27 +351,51 @@ class BatchStore:
         got = self.r.xrange(self.key(batch, "results"), min=entry, max=entry)
         return JobResult.model_validate_json(got[0][1]["result"]) if got else None
 
-    # -- workers' liveness
+    # -- workers' liveness: a registry (rq's, dramatiq's), not a scan of the keyspace
     def worker_key(self, name: str) -> str:
         return f"{self.prefix}:worker:{name}"
 
     def heartbeat(self, name: str, info: dict[str, Any], ttl_s: float) -> None:
-        self.r.set(self.worker_key(name), json.dumps(info), px=int(ttl_s * 1000))
+        """Advertise a live worker for ``ttl_s``: its info under its own key, its name in the
+        registry scored by when that runs out."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(self.worker_key(name), json.dumps(info), px=int(ttl_s * 1000))
+        pipe.zadd(f"{self.prefix}:workers", {name: time.time() + ttl_s})
+        pipe.hset(f"{self.prefix}:workers:queue", name, str(info.get("queue", "")))
+        pipe.execute()
 
     def workers(self) -> list[dict[str, Any]]:
-        keys = sorted(self.r.scan_iter(match=self.worker_key("*"), count=500))
-        values = self.r.mget(keys) if keys else []
+        """Live workers' heartbeats, by name: two reads, however large the keyspace."""
+        names = self.r.zrangebyscore(f"{self.prefix}:workers", time.time(), "+inf")
+        values = self.r.mget([self.worker_key(n) for n in sorted(names)]) if names else []
         return [json.loads(v) for v in values if v]
 
+    def gone_workers(self, queue: str) -> list[tuple[str, float]]:
+        """Workers of ``queue`` whose heartbeat ran out, and when: their own queues want
+        rescuing (``producer.routing.rescue_orphans``)."""
+        gone = self.r.zrangebyscore(f"{self.prefix}:workers", 0, time.time(), withscores=True)
+        if not gone:
+            return []
+        queues = self.r.hmget(f"{self.prefix}:workers:queue", [n for n, _ in gone])
+        return [(n, float(at)) for (n, at), q in zip(gone, queues, strict=True) if q == queue]
+
     def forget_worker(self, name: str) -> None:
-        self.r.delete(self.worker_key(name))
+        """Take a worker out of the registry (stopped cleanly, or its queue rescued)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.delete(self.worker_key(name))
+        pipe.zrem(f"{self.prefix}:workers", name)
+        pipe.hdel(f"{self.prefix}:workers:queue", name)
+        pipe.execute()
 
     # -- dead letters: jobs that exhausted their deliveries, kept with their last error
     def dlq_key(self, part: str = "") -> str:
         return f"{self.prefix}:dlq" + (f":{part}" if part else "")
 
-    def dead_letter(self, envelope: dict[str, Any], result: JobResult, attempts: int) -> None:
-        """Park the job and record its failed result, so the batch still finishes."""
+    def dead_letter(
+        self, envelope: Any, result: JobResult, attempts: int, record: bool = True
+    ) -> None:
+        """Park the job and (``record``) its failed result, so the batch still finishes. The
+        entry expires with the batch's results."""
         task_id = f"{result.batch}:{result.id}"
         entry = {
             "task_id": task_id,
@@ -320,21 +409,24 @@ class BatchStore:
             "envelope": envelope,
         }
         pipe = self.r.pipeline()
-        pipe.hset(self.dlq_key(), task_id, json.dumps(entry))
+        pipe.set(self.dlq_key(f"entry:{task_id}"), json.dumps(entry), ex=self.ttl_s)
         pipe.zadd(self.dlq_key("index"), {task_id: entry["dead_at"]})
+        pipe.zremrangebyscore(self.dlq_key("index"), 0, time.time() - self.ttl_s)
         pipe.execute()
-        self.record(result)
+        if record:
+            self.record(result)
 
     def dead_letters(self, batch: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+        self.r.zremrangebyscore(self.dlq_key("index"), 0, time.time() - self.ttl_s)
         ids = self.r.zrange(self.dlq_key("index"), 0, -1)
         if batch:
             ids = [i for i in ids if i.startswith(f"{batch}:")]
         ids = ids[:limit]
-        raw = self.r.hmget(self.dlq_key(), ids) if ids else []
+        raw = self.r.mget([self.dlq_key(f"entry:{i}") for i in ids]) if ids else []
         return [json.loads(v) for v in raw if v]
 
     def dead_letter_entry(self, task_id: str) -> dict[str, Any] | None:
-        raw = self.r.hget(self.dlq_key(), task_id)
+        raw = self.r.get(self.dlq_key(f"entry:{task_id}"))
         return json.loads(raw) if raw else None
 
     def forget(self, batch: str, job_id: str) -> bool:
@@ -345,6 +437,15 @@ class BatchStore:
 
     def drop_dead_letter(self, task_id: str) -> None:
         pipe = self.r.pipeline()
-        pipe.hdel(self.dlq_key(), task_id)
+        pipe.delete(self.dlq_key(f"entry:{task_id}"))
         pipe.zrem(self.dlq_key("index"), task_id)
         pipe.execute()
+
+
+def check_batch_id(batch: str) -> None:
+    """Batch ids become Redis keys and half of each task id: a safe character set only."""
+    if not re.fullmatch(BATCH_PATTERN, batch):
+        raise ValueError(
+            f"batch id {batch[:80]!r} is not allowed: 1-128 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )

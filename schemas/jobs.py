@@ -7,6 +7,7 @@ the model's context) is reported per job as a failed ``JobResult``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import json
@@ -14,7 +15,7 @@ import uuid
 from typing import Annotated, Any, Literal
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 # Bounds that keep one hostile line from costing the fleet more than its own failure.
 MAX_TEXT_CHARS = 1_000_000  # ~250k tokens: larger than any context we serve, still bounded
@@ -22,6 +23,18 @@ MAX_SCHEMA_CHARS = 64_000  # a JSON Schema this large is a mistake, and compilin
 MAX_SCHEMA_DEPTH = 32  # grammar compilation recurses; deeper schemas are rejected at submit
 MAX_OUTPUT_TOKENS = 32_768  # above any max_model_len we configure by default
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"  # extraction template names
+# Batch ids become Redis keys and the first half of Celery task ids (``batch:job``): no ``:``,
+# no spaces or globs, so ``V:done`` can never name another batch's key.
+BATCH_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+MAX_METADATA_CHARS = 16_384  # echoed on every result: the caller's bookkeeping, not a payload
+MAX_METADATA_DEPTH = 16
+MAX_STOP_CHARS = 256  # per stop string; up to 16 of them
+# Counts a schema may demand: more items (or characters) than any answer has tokens can never
+# be generated, and llguidance's grammar check is linear in them (minItems 1e8: 22 s at submit).
+MAX_SCHEMA_COUNT = MAX_OUTPUT_TOKENS
+_SCHEMA_COUNTS = ("minItems", "minLength", "minProperties", "minContains")
+# Wall-clock bound on the grammar check at submit (llguidance releases the GIL meanwhile).
+SCHEMA_CHECK_TIMEOUT_S = 5.0
 
 
 def new_job_id() -> str:
@@ -93,7 +106,9 @@ class _JobBase(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=16
+    )
     # vLLM sampling extras: generate at least min_tokens; keep going past EOS (benchmarks use
     # both to fix output length)
     min_tokens: int = Field(default=0, ge=0, le=MAX_OUTPUT_TOKENS)
@@ -110,6 +125,16 @@ class _JobBase(BaseModel):
     early_stop: bool | EarlyStopOverride | None = None
     # echoed back untouched on the result: the caller's own bookkeeping
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounded(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if _depth(v) > MAX_METADATA_DEPTH:
+            raise ValueError(f"metadata nests more than {MAX_METADATA_DEPTH} levels deep")
+        size = len(json.dumps(v, ensure_ascii=False))
+        if size > MAX_METADATA_CHARS:
+            raise ValueError(f"metadata is {size} characters; the limit is {MAX_METADATA_CHARS}")
+        return v
 
 
 def _check_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -131,6 +156,13 @@ def _schema_problem(text: str) -> str | None:
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
         return f"json_schema nests more than {MAX_SCHEMA_DEPTH} levels deep"
+    count = _largest_count(schema)
+    if count is not None:
+        word, value = count
+        return (
+            f"json_schema asks for {word}={value}; more than {MAX_SCHEMA_COUNT} can never be "
+            "generated within max_tokens"
+        )
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -139,26 +171,61 @@ def _schema_problem(text: str) -> str | None:
     return _grammar_problem(text)
 
 
+def _largest_count(node: Any, level: int = 0) -> tuple[str, str] | None:
+    """The first ``minItems``-like count over ``MAX_SCHEMA_COUNT``, if any."""
+    if level > MAX_SCHEMA_DEPTH:
+        return None
+    if isinstance(node, dict):
+        for word in _SCHEMA_COUNTS:
+            value = node.get(word)
+            if isinstance(value, int | float) and value > MAX_SCHEMA_COUNT:
+                return word, f"{value:.0f}" if value < 1e18 else f"{value:g}"
+        children: Any = node.values()
+    elif isinstance(node, list):
+        children = node
+    else:
+        return None
+    for child in children:
+        found = _largest_count(child, level + 1)
+        if found:
+            return found
+    return None
+
+
 def _grammar_problem(text: str) -> str | None:
     """What guided decoding (llguidance, the workers' default backend) cannot enforce: keywords
     it does not implement (``not``, ``if``/``then``, ``uniqueItems``, ...), unknown string
     formats, look-around in patterns, remote ``$ref``. Refused here rather than failing, or
-    worse, silently unenforced, in the worker."""
+    worse, silently unenforced, in the worker. The check runs on a thread and is given
+    ``SCHEMA_CHECK_TIMEOUT_S``: a schema that takes longer is refused (the thread, which holds
+    no lock, finishes on its own)."""
     try:
         import llguidance
     except ImportError:  # a producer-only install: the worker checks again
         return None
+
+    def check() -> str:
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                text, defaults={"whitespace_flexible": False}
+            )
+            return str(llguidance.LLMatcher.validate_grammar(grammar, None))
+        except Exception as exc:  # noqa: BLE001  # llguidance's own parse errors
+            return str(exc)
+
+    future = _CHECKS.submit(check)
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            text, defaults={"whitespace_flexible": False}
-        )
-        error = llguidance.LLMatcher.validate_grammar(grammar, None)
-    except Exception as exc:  # noqa: BLE001  # llguidance's own parse errors
-        error = str(exc)
+        error = future.result(timeout=SCHEMA_CHECK_TIMEOUT_S)
+    except concurrent.futures.TimeoutError:
+        return f"json_schema's grammar did not compile within {SCHEMA_CHECK_TIMEOUT_S:g}s"
     if not error:
         return None
     first = str(error).strip().splitlines()
     return f"json_schema cannot be enforced by guided decoding: {' '.join(first)[:300]}"
+
+
+# a few threads: a stuck check keeps one until it ends; the next schemas take the others
+_CHECKS = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="schema-check")
 
 
 def _depth(node: Any, level: int = 0) -> int:
@@ -261,7 +328,7 @@ class Envelope(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     job: Job
-    batch: str
+    batch: str = Field(pattern=BATCH_PATTERN)
     # "openai" when the line came in OpenAI Batch API form: results go back out in that form
     format: Literal["vqueue", "openai"] = "vqueue"
     # the OpenAI request's "model" field, echoed in the response body
@@ -269,9 +336,17 @@ class Envelope(BaseModel):
     enqueued_at: float
     # jobs with one key share a prompt prefix (``prefix_key``); filled in when not given
     prefix_key: str | None = Field(default=None, max_length=64)
+    _wire: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _fill_prefix_key(self) -> Envelope:
         if self.prefix_key is None:
             self.prefix_key = prefix_key(self.job)
         return self
+
+    def wire(self) -> str:
+        """The envelope as it travels (JSON), serialized once: the producer both counts its
+        size and sends it."""
+        if self._wire is None:
+            self._wire = self.model_dump_json()
+        return self._wire

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field
 
-# Error types a result may carry. Each names one cause, so callers can branch on it.
-ERROR_TYPES = {
+# Error types a result may carry. Each names one cause, so callers can branch on it; the table in
+# README.md lists the same names (tests/test_schemas.py holds them to it).
+ErrorType = Literal[
+    "prompt_too_long",
+    "input_too_long",
+    "schema_validation",
+    "schema_incomplete",
+    "schema_compile_timeout",
+    "schema_unsupported",
+    "unknown_template",
+    "invalid_json",
+    "engine_error",
+    "invalid_job",
+    "timeout",
+    "dead_letter",
+    "internal_error",
+    "cancelled",
+]
+ERROR_TYPES: dict[str, str] = {
     "prompt_too_long": "the prompt does not fit the model's context with room to answer",
     "input_too_long": "the document is over its type's input limit and truncation is 'reject'",
     "schema_validation": "the output did not satisfy the job's JSON Schema",
@@ -19,12 +36,16 @@ ERROR_TYPES = {
     "engine_error": "the engine rejected or failed the request",
     "invalid_job": "the worker could not read the job",
     "timeout": "the job was still generating after VQUEUE_JOB_TIMEOUT_S and was aborted",
-    "dead_letter": "its worker was lost every time it ran; parked in the dead-letter store",
+    "dead_letter": "its worker was lost, or Redis failed, every time it ran; parked in the "
+    "dead-letter store",
+    "internal_error": "something unexpected went wrong in the worker; the message names it",
+    "cancelled": "the job was revoked (Flower, `celery control revoke`) before it ran",
 }
+assert set(ERROR_TYPES) == set(get_args(ErrorType))
 
 
 class JobError(BaseModel):
-    type: str  # one of ERROR_TYPES, or "invalid_input" for lines the producer rejected
+    type: ErrorType
     message: str
 
 

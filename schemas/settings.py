@@ -78,6 +78,10 @@ class Settings(BaseSettings):
     # the plugin also compiles each distinct grammar once per vLLM process and hands each
     # request a copy, where vLLM compiles (and its frontend validates) one per request
     grammar_reuse: bool = True
+    # vqueue's patches to vLLM's private internals (the three above, and vLLM 0.26's V2 monitor
+    # hook), each installed only on the vLLM releases it was verified on (docs/vllm-compat.md);
+    # false runs vLLM's own paths everywhere
+    vllm_patches: bool = True
 
     # -- worker process
     # import path of the engine host; benchmarks/stub_engine.py swaps in an instant stub to
@@ -121,6 +125,9 @@ class Settings(BaseSettings):
     # -- logprob early stop (worker/confidence.py; docs/early-stop.md)
     # load the in-engine confidence monitor; off: no job is monitored, whatever its policy
     confidence_monitor: bool = True
+    # how monitored jobs are watched: "auto" the in-engine monitor where the installed vLLM
+    # takes it, else vLLM's own logprobs; "logprobs" always the latter (portable, slower)
+    early_stop_path: Literal["auto", "logprobs"] = "auto"
     # per-type policies, as JSON (VQUEUE_EARLY_STOP_CODEGEN='{"threshold": -4}'); a job's
     # early_stop field overrides them. Code has legitimately uncertain names, hence a longer
     # window there; extraction is held in shape by its grammar, so it is off unless asked for.
@@ -155,6 +162,12 @@ class Settings(BaseSettings):
     route_spill_depth: int = Field(default=0, ge=0)
     # what a producer does at a limit: wait (with a message on stderr) or refuse (exit 7)
     on_limit: Literal["wait", "refuse"] = "wait"
+
+    # -- waiting for results (`--wait`, Batch.results): give up, saying why (exit 8), when no
+    # live worker has consumed the batch's queue for this long, or the batch has had no new
+    # result for this long; 0: never. The jobs stay queued either way.
+    wait_no_worker_s: float = Field(default=600.0, ge=0)
+    wait_stall_s: float = Field(default=3600.0, ge=0)
 
     def backend_url(self) -> str:
         return self.result_backend or self.broker_url
