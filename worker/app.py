@@ -16,38 +16,63 @@ from typing import Any
 
 from celery import Celery, signals
 
+from producer.cli import RET_CONFIG, RET_ENGINE
 from producer.publish import PRIORITY_SEP, PRIORITY_STEPS, task_name
 from producer.routing import move_all, rescue_orphans, worker_queue
 from schemas import JOB_TYPES, Settings, get_settings
 
 log = logging.getLogger(__name__)
 
-# Named exit codes (dramatiq's habit): a supervisor can tell a broken engine from a clean stop.
-EXIT_ENGINE = 3
+# Named exit codes (dramatiq's habit), from the CLI's one table: a supervisor can tell a broken
+# engine or configuration from a clean stop.
+EXIT_ENGINE = RET_ENGINE
+
+# kombu versions whose Redis channel ``guard_closed_channels`` was written against and checked on
+KOMBU_VERIFIED = ("5.7.",)
 
 
-def survive_kombu_close_race() -> None:
-    """Keep the consumer alive when the broker connection drops with jobs in flight.
+def guard_closed_channels() -> None:
+    """Make a broker restart a connection error, never an "Unrecoverable error".
 
-    kombu 5.7's Redis channel, on close, first discards its connection pool and then restores
-    its unacknowledged messages through a new one, built from the connection's client. When
-    that client is already gone, this raises AttributeError. Celery calls that an
-    "Unrecoverable error": the consumer stops for good while the process, and its heartbeat,
-    live on. Seen in ``tests/test_reliability.py::test_redis_restart_mid_batch``.
+    When Redis goes away, Celery closes the connection and its channels; kombu 5.7's closed Redis
+    channel forgets its transport (``channel.connection = None``) and its pools. Anything that
+    still asks it for a client afterwards (a task acknowledging its job, the consumer tearing
+    down for its reconnect) makes it build a new pool from ``self.connection.client`` and raise
+    ``AttributeError``. Celery counts AttributeError as unrecoverable: the worker exited mid-batch
+    (a clean-clone CI run of ``test_redis_restart_mid_batch``). Here a closed channel raises
+    redis' ``ConnectionError`` instead, which kombu lists among its connection errors: Celery
+    reconnects, a failed acknowledgement is logged and the job comes back after the visibility
+    timeout (its stored result makes that a lookup). Restoring a closed channel's unacked jobs
+    is skipped for the same reason; they stay in kombu's unacked set for that scan.
 
-    Skipping that restore loses nothing. The messages stay in kombu's unacked set, where the
-    tasks still running them ack them, or any worker's visibility-timeout scan returns them.
+    Installed on the kombu versions in ``KOMBU_VERIFIED`` only; elsewhere the worker logs an
+    error and runs without it.
     """
+    import kombu
     from kombu.transport import redis as kombu_redis
 
-    original = kombu_redis.QoS.restore_unacked
-    if getattr(original, "_vqueue", False):
+    if not kombu.__version__.startswith(KOMBU_VERIFIED):
+        log.error(
+            "kombu %s is not one the broker-restart guard was checked on (%s); a Redis restart "
+            "may stop this worker's consumer", kombu.__version__, ", ".join(KOMBU_VERIFIED),
+        )  # fmt: skip
         return
+    channel = kombu_redis.Channel
+    if getattr(channel._connparams, "__vqueue__", False):
+        return
+    stock_params, stock_restore = channel._connparams, kombu_redis.QoS.restore_unacked
+    closed = kombu_redis.redis.exceptions.ConnectionError
+
+    def _connparams(self: Any, asynchronous: bool = False) -> Any:
+        transport = self.connection
+        if transport is None or getattr(transport, "client", None) is None:
+            raise closed("the broker channel is closed (its connection was lost)")
+        return stock_params(self, asynchronous=asynchronous)
 
     def restore_unacked(self: Any, client: Any = None) -> Any:
         try:
-            return original(self, client)
-        except AttributeError as exc:
+            return stock_restore(self, client)
+        except (closed, AttributeError) as exc:
             log.warning(
                 "broker connection closed before its %d unacknowledged job(s) could be "
                 "restored (%s); they return after the visibility timeout",
@@ -56,7 +81,8 @@ def survive_kombu_close_race() -> None:
             )
             return None
 
-    restore_unacked._vqueue = True  # type: ignore[attr-defined]
+    _connparams.__vqueue__ = True  # type: ignore[attr-defined]
+    channel._connparams = _connparams  # type: ignore[method-assign]
     kombu_redis.QoS.restore_unacked = restore_unacked  # type: ignore[method-assign]
 
 
@@ -98,7 +124,7 @@ def create_app(settings: Settings | None = None) -> Celery:
 
 settings = get_settings()
 app = create_app(settings)
-survive_kombu_close_race()
+guard_closed_channels()
 app.conf.imports = ("worker.tasks",)
 
 
@@ -122,12 +148,17 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
     from .engine import ConfigError
 
     state.metrics_url = metrics.serve(settings.metrics_port, settings.metrics_host)
+    warn_if_redis_may_evict(_store().r, "the result store")
+    if settings.broker_url != settings.backend_url():
+        warn_if_redis_may_evict(_broker(), "the broker")
     try:
         module, _sep, cls = settings.engine_class.partition(":")
         state.engine = getattr(importlib.import_module(module), cls)(settings)
+        if getattr(state.engine, "plan", None) is not None:
+            metrics.report_plan(state.engine.plan)
     except (ConfigError, FileNotFoundError) as exc:  # the operator's to fix: a line, no trace
-        log.error("invalid worker settings: %s; exiting %d", exc, EXIT_ENGINE)
-        os._exit(EXIT_ENGINE)
+        log.error("invalid worker settings: %s; exiting %d", exc, RET_CONFIG)
+        os._exit(RET_CONFIG)
     except BaseException:
         log.exception("the vLLM engine failed to start; exiting %d", EXIT_ENGINE)
         os._exit(EXIT_ENGINE)  # Celery would log a handler's exception and carry on without it
@@ -143,12 +174,11 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
 def _close_engine(**_: Any) -> None:
     state.stop.set()
     try:
-        store = _store()
-        store.forget_worker(state.name)
+        _store().forget_worker(state.name)
         # what producers routed here and nobody took goes back to the shared queue
-        move_all(store.r, worker_queue(settings.queue, state.name), settings.queue)
-    except Exception:
-        pass
+        move_all(_broker(), worker_queue(settings.queue, state.name), settings.queue)
+    except Exception as exc:  # noqa: BLE001  # a live worker's heartbeat rescues them later
+        log.warning("could not hand this worker's own queue back: %s", exc)
     if state.engine is not None:
         state.engine.close()
 
@@ -159,9 +189,36 @@ def _store() -> Any:
     return BatchStore.from_settings(settings)
 
 
+def _broker() -> Any:
+    """A client of the broker's Redis (the queues), which may not be the result store's."""
+    from producer.store import BatchStore
+
+    if settings.broker_url == settings.backend_url():
+        return _store().r
+    return BatchStore.from_url(settings.broker_url, retry_s=settings.redis_retry_s).r
+
+
+def warn_if_redis_may_evict(client: Any, what: str) -> str | None:
+    """Log an error when Redis may evict keys: an eviction can drop queued jobs or a batch's
+    done map. Returns the policy (None when Redis does not say, as managed services may not)."""
+    try:
+        policy = str(client.config_get("maxmemory-policy").get("maxmemory-policy", ""))
+    except Exception:  # noqa: BLE001  # CONFIG disabled: nothing to check
+        return None
+    if policy and policy != "noeviction":
+        log.error(
+            "Redis (%s) runs with maxmemory-policy=%s: when it fills up it evicts keys, which "
+            "can drop queued jobs or a batch's results. Run it with maxmemory-policy noeviction "
+            "(docs/reliability.md)",
+            what,
+            policy,
+        )
+    return policy
+
+
 def _heartbeat() -> None:
     """Liveness as a Redis key with a TTL (arq's health check): gone means dead or stopped."""
-    store = _store()
+    store, broker = _store(), _broker()
     while not state.stop.is_set():
         e = state.engine
         info = {
@@ -183,10 +240,14 @@ def _heartbeat() -> None:
         stats = getattr(e, "stats", None)
         if stats is not None:
             info.update(stats.snapshot())
+        plan = getattr(e, "plan", None)
+        if plan is not None:  # what `vqueue status` shows of the engine's optimizations
+            info["engine"] = plan.as_dict()
         try:
             store.heartbeat(state.name, info, ttl_s=3 * settings.heartbeat_s)
-            live = {w["name"] for w in store.workers()}
-            moved = rescue_orphans(store.r, settings.queue, live)
+            # a dead worker's jobs come back to its own queue after the visibility timeout
+            watch_s = 2 * settings.visibility_timeout_s + 60
+            moved = rescue_orphans(store, broker, settings.queue, watch_s)
             if moved:
                 log.warning("moved %d jobs of workers that are gone to %s", moved, settings.queue)
         except Exception as exc:  # Redis restarting: keep trying, the worker itself is fine

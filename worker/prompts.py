@@ -98,6 +98,17 @@ def extract_code(text: str) -> str:
     return (m.group(1) if m else text).strip("\n")
 
 
+def fold_system(messages: Messages) -> Messages:
+    """The chat without a system turn, its text leading the first user turn: for chat templates
+    that refuse a system role (Gemma's, some Mistral ones). ``messages`` itself when there is
+    no system turn to fold."""
+    if len(messages) < 2 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
+        return messages
+    system, user = messages[0]["content"], messages[1]["content"]
+    merged = f"{system}\n\n{user}" if system else user
+    return [{"role": "user", "content": merged}, *messages[2:]]
+
+
 def render(tokenizer: Any, messages: Messages, nonce: str = "0") -> list[int]:
     """Token ids of ``messages`` rendered with the model's own chat template.
 
@@ -106,10 +117,18 @@ def render(tokenizer: Any, messages: Messages, nonce: str = "0") -> list[int]:
     marker, and cannot open a turn of its own. The template around them is tokenized as usual;
     since contents sit between a newline or a marker and a marker, the ids of ordinary text are
     the same as tokenizing the whole rendered prompt at once.
+
+    A template that refuses the system turn gets it folded into the first user turn.
     """
     slots = [f"VQSLOT{nonce}{i}X" for i in range(len(messages))]
     skeleton = [{**m, "content": slot} for m, slot in zip(messages, slots, strict=True)]
-    text = tokenizer.apply_chat_template(skeleton, add_generation_prompt=True, tokenize=False)
+    try:
+        text = tokenizer.apply_chat_template(skeleton, add_generation_prompt=True, tokenize=False)
+    except Exception:  # noqa: BLE001  # jinja2's TemplateError ("System role not supported")
+        folded = fold_system(messages)
+        if folded is messages:
+            raise
+        return render(tokenizer, folded, nonce)
     ids: list[int] = []
     pos = 0
     for m, slot in zip(messages, slots, strict=True):
@@ -121,3 +140,23 @@ def render(tokenizer: Any, messages: Messages, nonce: str = "0") -> list[int]:
         pos = at + len(slot)
     ids += tokenizer.encode(text[pos:], add_special_tokens=False)
     return ids
+
+
+class PromptTokenizer:
+    """The model's tokenizer as jobs use it: chat prompts (``render``), and documents encoded
+    and decoded to cut them to a token limit. The engine host holds one; tests use the same
+    with the real tokenizer."""
+
+    def __init__(self, tokenizer: Any, nonce: str = "0") -> None:
+        self.tokenizer, self.nonce = tokenizer, nonce
+
+    def chat_prompt(self, messages: Messages) -> list[int]:
+        return render(self.tokenizer, messages, self.nonce)
+
+    def encode(self, text: str) -> list[int]:
+        return list(
+            self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        )
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids))

@@ -58,6 +58,12 @@ def run_job(
 ) -> JobResult:
     job = env.job
     started = time.time()
+    # One deadline for the whole job, every attempt included (early-stop retries, a cut-off JSON
+    # run again with more room): the job can never outlive VQUEUE_JOB_TIMEOUT_S, which the
+    # settings keep below the visibility timeout, so Redis never hands it to a second worker.
+    deadline = time.monotonic() + min(
+        job.timeout_s or settings.job_timeout_s, settings.job_timeout_s
+    )
     result = JobResult(
         id=job.id,
         batch=env.batch,
@@ -101,13 +107,17 @@ def run_job(
                 f"{settings.max_model_len} and the answer needs at least {MIN_ANSWER_TOKENS}",
             )
         max_tokens = min(want, room)
-        gen = generate(job, engine, settings, prompt, max_tokens, env.prefix_key, result, grammar)
+        gen = generate(
+            job, engine, settings, prompt, max_tokens, env.prefix_key, result, grammar, deadline
+        )
         cut = 0
         if _wants_json(job) and gen.finish_reason == "length" and room > max_tokens:
             # JSON cut off: once more with twice the room; what the first run wrote is lost
             cut = gen.completion_tokens
             max_tokens = min(2 * max_tokens, room)
-            gen = generate(job, engine, settings, prompt, max_tokens, None, result, grammar)
+            gen = generate(
+                job, engine, settings, prompt, max_tokens, None, result, grammar, deadline
+            )
         result.text = gen.text
         result.finish_reason = gen.finish_reason
         result.usage = Usage(
@@ -154,17 +164,19 @@ def generate(
     prefix_key: str | None,
     result: JobResult,
     grammar: dict[str, Any] | None = None,
+    deadline: float | None = None,
 ) -> Generation:
     """Generate the job's answer; under early stop, attempt after attempt until one is not
-    aborted, each recorded in ``result.attempts``. The job's timeout covers all of them.
+    aborted, each recorded in ``result.attempts``. All of them end by ``deadline`` (monotonic;
+    default: the job's timeout from now).
     ``grammar``: the schema the guided decoding compiles (``structured.generation_schema``)."""
+    if deadline is None:
+        limit = min(job.timeout_s or settings.job_timeout_s, settings.job_timeout_s)
+        deadline = time.monotonic() + limit
     policy = early_stop_policy(job, settings)
     if policy is None:
         params = sampling_params(job, max_tokens, grammar=grammar)
-        return engine.generate(prompt, params, job.timeout_s, prefix_key)
-    deadline = time.monotonic() + min(
-        job.timeout_s or settings.job_timeout_s, settings.job_timeout_s
-    )
+        return engine.generate(prompt, params, _left(deadline), prefix_key)
     last = policy.max_retries
     for k in range(last + 1):
         temperature, seed = retry_sampling(job, policy, k)
@@ -172,9 +184,7 @@ def generate(
         grace = max(policy.grace_tokens, job.min_tokens)
         monitor = Monitor(policy.threshold, policy.window, grace, abort=k < last)
         params = sampling_params(job, max_tokens, temperature, seed, grammar)
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise JobTimeout("the job's time ran out between early-stop attempts")
+        left = _left(deadline)
         gen = engine.generate(prompt, params, left, prefix_key if k == 0 else None, monitor)
         reading = gen.confidence
         result.attempts.append(
@@ -193,6 +203,14 @@ def generate(
             result.low_confidence = result.attempts[-1].low_confidence
             return gen
     raise AssertionError("the last attempt is never aborted")  # pragma: no cover
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline``; none left is a timeout before the engine sees the request."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise JobTimeout("the job's time ran out before its next attempt")
+    return left
 
 
 def retry_sampling(job: Any, policy: EarlyStop, k: int) -> tuple[float, int | None]:
@@ -365,8 +383,8 @@ def _read_output(
         )
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise JobFailed("invalid_json", f"the output is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, and ints over 4,300 digits
+        raise JobFailed("invalid_json", f"the output is not JSON: {exc}"[:500]) from None
     if schema is not None:
         try:
             # the schema was meta-checked at intake; jsonschema.validate() would check it again

@@ -3,23 +3,35 @@
 The summary (not the output) is what Flower sees; the full result is in the batch's stream
 (``producer.store``). A job whose result is already stored is not run again,
 so a redelivery after a lost acknowledgement costs a lookup, not a generation.
+
+Every job ends with exactly one result. A task acknowledges its job whatever happens (a failing
+task is acked), so nothing may escape it without a result: anything unexpected becomes a failed
+result of type ``internal_error``. Only two things hand a job back instead: a dead engine (the
+worker restarts) and Redis unreachable (nothing could be recorded); both count as a delivery,
+so a job that keeps meeting them is dead-lettered after ``max_deliveries``. A Redis error that
+retrying cannot fix (``WRONGTYPE``, out of memory) fails the job instead of looping.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from typing import Any
 
-from celery import Task
+from celery import Task, signals
 from celery.exceptions import Reject
 from pydantic import ValidationError
-from redis.exceptions import RedisError
+from redis.exceptions import BusyLoadingError, ReadOnlyError, RedisError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.publish import task_name
 from schemas import JOB_TYPES, Envelope, JobError, JobResult, Timings
+from schemas.jobs import BATCH_PATTERN
+from schemas.results import ErrorType
 
 from . import metrics
 from .app import EXIT_ENGINE, app, settings, state
@@ -52,35 +64,37 @@ def templates() -> Any:
     return _templates
 
 
+# Redis errors that a retry can outlast: the server restarting, loading its AOF, failing over.
+TRANSIENT_REDIS = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    BusyLoadingError,
+    ReadOnlyError,
+    TryAgainError,
+)
+
+
 def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
     with metrics.IN_FLIGHT.track_inprogress():
         try:
             return _run(task, payload)
-        except RedisError as exc:
+        except TRANSIENT_REDIS as exc:
             # Redis stayed away past the client's retries. Acknowledging would drop the job
             # (a failing task is acked): hand it back instead; its result, if it was stored
-            # after all, makes the redelivery a lookup.
+            # after all, makes the redelivery a lookup, and each delivery counts toward
+            # max_deliveries, so this cannot loop forever.
             log.error("job not recorded (%s: %s); back to the queue", type(exc).__name__, exc)
             raise Reject(f"{type(exc).__name__}: {exc}", requeue=True) from None
+        except RedisError as exc:  # retrying cannot fix it: fail the job, once, loudly
+            return _unrecordable(task, payload, exc)
 
 
 def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
-    from .runner import run_job
-
     try:
         env = Envelope.model_validate(payload)
     except ValidationError as exc:
         # Producers validate first, so this is a hand-made message: fail it, never crash.
-        job = payload.get("job") if isinstance(payload, dict) else None
-        result = JobResult(
-            id=str((job or {}).get("id", task.request.id)),
-            batch=str(payload.get("batch", "unknown")) if isinstance(payload, dict) else "unknown",
-            type=str((job or {}).get("type", "unknown")),
-            status="failed",
-            timings=Timings(enqueued_at=0.0),
-            worker=task.request.hostname,
-            error=JobError(type="invalid_job", message=str(exc).splitlines()[0]),
-        )
+        result = _failed(task, payload, "invalid_job", str(exc).splitlines()[0])
     else:
         if _dying:  # the engine is gone and the process about to exit: hand back, uncounted
             time.sleep(0.5)
@@ -92,11 +106,7 @@ def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
         worker = task.request.hostname or state.name
         if attempts > settings.max_deliveries:
             return _dead_letter(env, payload, attempts, worker)
-        try:
-            result = run_job(env, state.engine, settings, worker, templates())
-        except EngineDead:
-            _engine_died()
-            raise Reject("the engine died; the job goes back to the queue", requeue=True) from None
+        result = _generate(task, env, payload, worker)
     if store().record(result):
         metrics.observe(result)
     else:
@@ -105,6 +115,82 @@ def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
     if result.error:
         summary["error"] = result.error.type
     return summary
+
+
+def _generate(task: Task, env: Envelope, payload: dict[str, Any], worker: str) -> JobResult:
+    """The job's result, whatever happens on the way, except a dead engine or Redis gone."""
+    from .runner import run_job
+
+    try:
+        return run_job(env, state.engine, settings, worker, templates())
+    except EngineDead:
+        _engine_died()
+        raise Reject("the engine died; the job goes back to the queue", requeue=True) from None
+    except RedisError:
+        raise
+    except Exception as exc:  # a bug of ours, or a library's surprise: this job fails alone
+        log.exception("job %s of batch %s failed unexpectedly", env.job.id, env.batch)
+        return _failed(task, payload, "internal_error", f"{type(exc).__name__}: {exc}", env)
+
+
+def _failed(
+    task: Task,
+    payload: Any,
+    error: ErrorType,
+    message: str,
+    env: Envelope | None = None,
+) -> JobResult:
+    """A failed result for a job, from its envelope, or as much of the raw message as reads."""
+    kind: str
+    if env is not None:
+        ident, batch, kind = env.job.id, env.batch, env.job.type
+    else:
+        job = payload.get("job") if isinstance(payload, dict) else None
+        job = job if isinstance(job, dict) else {}
+        batch_id = payload.get("batch") if isinstance(payload, dict) else None
+        ident = str(job.get("id", task.request.id))
+        batch, kind = str(batch_id or ""), str(job.get("type", "unknown"))
+        if not re.fullmatch(BATCH_PATTERN, batch):  # a key of another batch's, perhaps
+            batch = "invalid-messages"
+    return JobResult(
+        id=ident,
+        batch=batch,
+        type=kind,
+        status="failed",
+        timings=Timings(enqueued_at=env.enqueued_at if env else 0.0, finished_at=time.time()),
+        worker=task.request.hostname or state.name,
+        metadata=env.job.metadata if env else {},
+        format=env.format if env else "vqueue",
+        prefix_key=env.prefix_key if env else None,
+        error=JobError(type=error, message=message[:2000]),
+    )
+
+
+def _unrecordable(task: Task, payload: Any, exc: RedisError) -> dict[str, Any]:
+    """Redis refused an operation for good (a key of the wrong type, out of memory): record a
+    failed result if Redis still takes one, else park the job as a dead letter, else say so
+    loudly. The job is acknowledged: requeueing it would meet the same error forever."""
+    message = f"Redis refused to record this job: {type(exc).__name__}: {exc}"
+    try:
+        env: Envelope | None = Envelope.model_validate(payload)
+    except ValidationError:
+        env = None
+    result = _failed(task, payload, "internal_error", message, env)
+    try:
+        if store().record(result):
+            metrics.observe(result)
+        log.error("job %s of batch %s failed: %s", result.id, result.batch, message)
+    except RedisError as again:
+        try:
+            store().dead_letter(payload, result, 1, record=False)
+            log.error("job %s of batch %s: no result could be recorded (%s); parked as a dead "
+                      "letter", result.id, result.batch, again)  # fmt: skip
+        except RedisError:
+            log.critical(
+                "job %s of batch %s cannot be recorded at all (%s; then %s); it is dropped",
+                result.id, result.batch, exc, again,
+            )  # fmt: skip
+    return {"id": result.id, "status": "failed", "error": "internal_error"}
 
 
 def _engine_died() -> None:
@@ -136,13 +222,41 @@ def _dead_letter(
         prefix_key=env.prefix_key,
         error=JobError(
             type="dead_letter",
-            message=f"started {delivered} times and never finished (its worker was lost each "
-            f"time; VQUEUE_MAX_DELIVERIES={settings.max_deliveries}); see 'vqueue dlq show'",
+            message=f"started {delivered} times and never finished (its worker was lost, or "
+            f"Redis failed, each time; VQUEUE_MAX_DELIVERIES={settings.max_deliveries}); see "
+            "'vqueue dlq show'",
         ),
     )
     store().dead_letter(payload, result, delivered)
     metrics.observe(result)
     return {"id": result.id, "status": "failed", "error": "dead_letter"}
+
+
+@signals.task_revoked.connect
+def _revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """A job revoked before it ran (Flower, ``celery control revoke``) still ends with a
+    result, ``cancelled``, so its batch completes. Task ids are ``batch:job`` and batch ids
+    hold no ``:`` (``schemas.jobs.BATCH_PATTERN``), so the id says which job it was."""
+    task_id = str(getattr(request, "id", "") or "")
+    batch, sep, job_id = task_id.partition(":")
+    if not sep or not re.fullmatch(BATCH_PATTERN, batch):
+        return
+    if not getattr(sender, "name", "").startswith("vqueue."):
+        return
+    result = JobResult(
+        id=job_id,
+        batch=batch,
+        type=sender.name.removeprefix("vqueue."),
+        status="failed",
+        timings=Timings(enqueued_at=0.0, finished_at=time.time()),
+        worker=state.name,
+        error=JobError(type="cancelled", message="revoked before it ran"),
+    )
+    try:
+        if store().record(result):
+            metrics.observe(result)
+    except RedisError as exc:
+        log.error("revoked job %s of batch %s: no result recorded (%s)", job_id, batch, exc)
 
 
 def _register(job_type: str) -> None:
