@@ -5,24 +5,43 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
-def plugin_env() -> dict[str, str]:
-    """The environment for a child that builds an engine. vqueue's vLLM plugin (which puts the
-    confidence monitor and the batched guided step into the engine) is found by its entry
-    point; where vqueue runs from PYTHONPATH rather than installed (the GPU host), there is no
-    dist-info to find it by, so one is written to a temporary directory put on the path."""
-    from worker.engine import plugin_registered
+def engine_setup(settings: Any, model: str) -> tuple[dict[str, Any], dict[str, str], Any]:
+    """What a benchmark needs to build a raw vLLM engine the way a worker builds its own: the
+    engine arguments (the monitor named in ``logits_processors`` where the plan says so) and the
+    environment for the child process that builds it (the plan the plugin follows, and the
+    plugin's entry point where vqueue runs from PYTHONPATH rather than installed, as on the GPU
+    host, where there is no dist-info to find it by), and the plan itself, which results
+    record."""
+    from worker.engine import engine_kwargs
+    from worker.vllm_ext.configure import MONITOR_CLASSES, configure_engine
 
-    env = dict(os.environ)
+    kwargs = engine_kwargs(settings, model)
+    _, plan = configure_engine(settings, kwargs)
+    kwargs = dict(kwargs)
+    if plan.monitor in MONITOR_CLASSES:
+        kwargs["logits_processors"] = [MONITOR_CLASSES[plan.monitor]]
+    env = dict(os.environ)  # configure_engine set the owner and plan variables here
+    return kwargs, _with_entry_point(env), plan
+
+
+def _with_entry_point(env: dict[str, str]) -> dict[str, str]:
+    from worker.vllm_ext.configure import plugin_registered
+    from worker.vllm_ext.plugin import PLUGIN
+
     if plugin_registered():
         return env
     d = Path(tempfile.mkdtemp(prefix="vqueue-ep-"))
     info = d / "vqueue_plugin-0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vqueue-plugin\nVersion: 0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nvqueue = worker.engine:vllm_plugin\n"
-    )
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\nvqueue = {PLUGIN}\n")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(d), env.get("PYTHONPATH")]))
     return env
+
+
+def plugin_env() -> dict[str, str]:
+    """The environment for a child that builds its engine with ``engine_setup`` itself."""
+    return _with_entry_point(dict(os.environ))

@@ -181,13 +181,15 @@ def summarize(
 def run_raw(a: argparse.Namespace) -> list[dict[str, Any]]:
     from vllm import LLM
 
-    from worker.engine import engine_kwargs
     from worker.prompts import build_messages
     from worker.runner import sampling_params
 
+    from . import engine_setup
+
     loads = build(a.model, a.scale, a.workloads)
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(settings_for(a), a.model), disable_log_stats=False)
+    kwargs, _env, plan = engine_setup(settings_for(a), a.model)  # built in this process
+    llm = LLM(**kwargs, disable_log_stats=False)
     start_s = time.perf_counter() - t0
     rows = []
 

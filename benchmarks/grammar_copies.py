@@ -1,6 +1,6 @@
 """Mask fill and token consumption for a batch of llguidance matchers, by how the matchers were
 made: each compiled on its own (vLLM's way), all copied from one compiled matcher per schema, or
-copied round-robin from K per schema (``worker/structured.py: install_grammar_reuse``).
+copied round-robin from K per schema (``worker/vllm_ext/guided.py: install_grammar_reuse``).
 
     python -m benchmarks.grammar_copies --tokenizer /tmp/models/qwen05 --out $OUT
 

@@ -1,6 +1,6 @@
 """Guided JSON against the same prompts unconstrained, in raw vLLM (no queue): with vLLM's own
 guided-decoding step (``stock``), with vqueue's plugin batching it and reusing compiled grammars
-(``parallel``, see worker/structured.py), the plugin batching only (``parallel-noreuse``), the
+(``parallel``, see worker/vllm_ext/guided.py), the plugin batching only (``parallel-noreuse``), the
 plugin with vLLM's asynchronous scheduling off (``parallel-sync``), and the plugin in an
 in-process engine that times the engine step's parts (``inproc``, attribution only; with
 ``--py-spy``, where the time goes). ``VARIANT@N`` runs a variant with ``VQUEUE_GRAMMAR_THREADS=N``.
@@ -117,10 +117,11 @@ def child(a: argparse.Namespace, path: Path) -> None:
     from vllm.sampling_params import StructuredOutputsParams
 
     from schemas import ExtractJob, Settings
-    from worker.engine import engine_kwargs
     from worker.prompts import build_messages, render
-    from worker.structured import _Batched, generation_schema
+    from worker.structured import generation_schema
+    from worker.vllm_ext.guided import _Batched
 
+    from . import engine_setup
     from .step_timers import install_timers
     from .workloads import SCHEMAS, WORDS
 
@@ -133,7 +134,7 @@ def child(a: argparse.Namespace, path: Path) -> None:
 
     settings = Settings(_env_file=None)
     t0 = time.perf_counter()
-    kwargs = engine_kwargs(settings, a.model)
+    kwargs, _env, plan = engine_setup(settings, a.model)  # this process builds the engine
     if a.child.startswith("parallel-sync"):
         kwargs["async_scheduling"] = False
     if a.dummy_weights:
@@ -147,6 +148,7 @@ def child(a: argparse.Namespace, path: Path) -> None:
             "engine_start_s": round(time.perf_counter() - t0, 1),
             "confidence_monitor": settings.confidence_monitor,
             "model_runner": "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1",
+            "plan": plan.as_dict(),
         }
     )
     tok = llm.get_tokenizer()

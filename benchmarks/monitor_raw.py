@@ -102,7 +102,8 @@ def child(a: argparse.Namespace, log: Path) -> None:
 
     from schemas import Settings
     from worker.confidence import ConfidenceBoard, Monitor, request_args
-    from worker.engine import engine_kwargs
+
+    from . import engine_setup
 
     def emit(row: dict[str, Any]) -> None:
         print(json.dumps(row), flush=True)
@@ -110,11 +111,13 @@ def child(a: argparse.Namespace, log: Path) -> None:
             f.write(json.dumps(row) + "\n")
 
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(Settings(_env_file=None), a.model))
+    kwargs, _env, plan = engine_setup(Settings(_env_file=None), a.model)  # built in this process
+    llm = LLM(**kwargs)
     emit({
         "engine": a.child,
         "engine_start_s": round(time.perf_counter() - t0, 1),
         "model_runner": "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1",
+        "plan": plan.as_dict(),
     })  # fmt: skip
     timers = None
     if a.timers:

@@ -42,7 +42,7 @@ def main() -> None:
     )
     board = ConfidenceBoard()
     logits = torch.randn((a.rows, a.vocab), device=device, dtype=torch.float32)
-    classes = [("vqueue", "worker.confidence:ConfidenceMonitor"), *[(c, c) for c in a.compare]]
+    classes = [("vqueue", "worker.vllm_ext.monitor:V1Monitor"), *[(c, c) for c in a.compare]]
     rows: list[dict[str, Any]] = []
     for label, path in [("no monitor", None), *classes]:
         for scenario in ("steady", "churn"):

@@ -21,7 +21,7 @@ SPOTS = [
     ("vllm.v1.structured_output", "StructuredOutputManager", ["grammar_bitmask"]),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ["execute_model", "sample_tokens"]),
     ("vllm.v1.sample.sampler", "Sampler", ["forward"]),
-    ("worker.confidence", "ConfidenceMonitor", ["apply", "update_state"]),
+    ("worker.vllm_ext.monitor", "V1Monitor", ["apply", "update_state"]),
     # Model Runner V2 (named V2.* in the report)
     (
         "vllm.v1.worker.gpu.model_runner",
@@ -30,7 +30,7 @@ SPOTS = [
     ),
     ("vllm.v1.worker.gpu.structured_outputs", "StructuredOutputsWorker", ["apply_grammar_bitmask"]),
     ("vllm.v1.worker.gpu.sample.sampler", "Sampler", ["__call__"]),
-    ("worker.confidence", "SlotMonitor", ["apply", "add_request"]),
+    ("worker.vllm_ext.monitor", "SlotMonitor", ["apply", "add_request"]),
 ]
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 import uuid
@@ -22,10 +21,19 @@ from typing import Any, TypeVar
 
 from schemas import Settings
 
-from .confidence import ConfidenceBoard, Monitor, Reading, marker_token, request_args
+from .confidence import (
+    ConfidenceBoard,
+    LogprobRule,
+    Monitor,
+    Reading,
+    marker_token,
+    request_args,
+)
 from .metrics import EngineStats
 from .models import resolve_model
-from .prompts import render
+from .prompts import PromptTokenizer
+from .vllm_ext.compat import Plan
+from .vllm_ext.configure import IN_ENGINE_MONITOR, configure_engine, plugin_registered
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -85,33 +93,31 @@ class EngineHost:
         self.started_at = time.time()
         self._nonce = uuid.uuid4().hex[:8]
         self.stats = EngineStats()
+        self.plan: Plan | None = None
         self.engine = self._call(self._build())
         tokenizer = self.engine.get_tokenizer()
         if asyncio.iscoroutine(tokenizer):  # vLLM < 0.30 made it a coroutine
             tokenizer = self._call(tokenizer)
         self.tokenizer = tokenizer
+        self.prompts = PromptTokenizer(tokenizer, self._nonce)
         # logprob early stop: the monitor in the engine reports to this board (worker/confidence)
-        self.board = ConfidenceBoard() if settings.confidence_monitor else None
+        in_engine = self.plan is not None and self.plan.monitor in IN_ENGINE_MONITOR
+        self.board = ConfidenceBoard() if in_engine else None
         self.marker = marker_token(tokenizer) if self.board else -1
 
     async def _build(self) -> Any:
-        from vllm import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if self.settings.confidence_monitor and not plugin_registered():
-            raise EngineError(
-                "vqueue's vLLM plugin is not registered (entry point vllm.general_plugins: "
-                "vqueue); install the package (pip install -e .) rather than running it from "
-                "a path: without the plugin the engine has no confidence monitor"
-            )
-        # the engine's processes read the settings from the environment: make sure they agree
-        os.environ["VQUEUE_CONFIDENCE_MONITOR"] = str(self.settings.confidence_monitor).lower()
         kwargs = engine_kwargs(self.settings, self.model_path)
-        log.info("starting vLLM engine: %s", kwargs)
+        config, self.plan = configure_engine(self.settings, kwargs)
+        log.info("starting vLLM engine %s: %s", self.plan.vllm, self.plan.as_dict())
         # our stat logger rides along with vLLM's own (log line, vllm:* Prometheus metrics)
         # (EngineStats has StatLoggerBase's methods without importing vLLM to inherit them)
         loggers: list[Any] = [lambda *_a, **_k: self.stats]
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=loggers)
+        engine = AsyncLLM.from_vllm_config(
+            config, usage_context=UsageContext.LLM_CLASS, stat_loggers=loggers
+        )
         if self.settings.log_stats_s > 0:
             self._stats_task = asyncio.get_running_loop().create_task(self._log_stats(engine))
         return engine
@@ -129,17 +135,15 @@ class EngineHost:
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of ``messages`` in the model's chat template; see ``prompts.render``."""
         try:
-            return render(self.tokenizer, messages, self._nonce)
-        except ValueError as exc:
-            raise EngineError(str(exc)) from None
+            return self.prompts.chat_prompt(messages)
+        except Exception as exc:  # noqa: BLE001  # the model's template refused this chat
+            raise EngineError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
 
     def encode(self, text: str) -> list[int]:
-        return list(
-            self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-        )
+        return self.prompts.encode(text)
 
     def decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids))
+        return self.prompts.decode(ids)
 
     def generate(
         self,
@@ -160,6 +164,7 @@ class EngineHost:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         slot = None
+        rule = None
         if monitor is not None and self.board is not None:
             slot = self.board.slot()
             params = params.clone()
@@ -168,7 +173,9 @@ class EngineHost:
                 **request_args(self.board, slot, monitor, self.marker),
             }
             params.stop_token_ids = [*(params.stop_token_ids or []), self.marker]
-        coro = self._generate(prompt_ids, params, first_of_group, slot)
+        elif monitor is not None and self.plan is not None and self.plan.monitor == "logprobs":
+            rule = LogprobRule(monitor)
+        coro = self._generate(prompt_ids, params, first_of_group, slot, rule)
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout=limit)
@@ -204,15 +211,27 @@ class EngineHost:
         params: Any,
         leader: threading.Event | None = None,
         slot: int | None = None,
+        rule: LogprobRule | None = None,
     ) -> Generation:
+        """One request to its end. ``slot``: the in-engine monitor watches it and reports to
+        the board. ``rule``: the fallback early stop (no monitor for this vLLM): the request
+        streams vLLM's own top-1 logprob with each token, and is aborted in the engine at the
+        token the rule holds, if ``rule.monitor.abort``."""
+        from vllm.sampling_params import RequestOutputKind
+
         # A fresh id per call: vLLM refuses a reused id, and a retry must never collide.
         request_id = uuid.uuid4().hex
         final = None
-        if leader is not None:  # the group's first job reports its first token to release the rest
-            from vllm.sampling_params import RequestOutputKind
-
+        if rule is not None:
+            params = params.clone()
+            params.logprobs = max(params.logprobs or 0, 1)
+            params.output_kind = RequestOutputKind.DELTA
+        elif leader is not None:  # the group's first job reports its first token to the rest
             params = params.clone()
             params.output_kind = RequestOutputKind.CUMULATIVE
+        pieces: list[str] = []  # the text, when it streams back in deltas
+        streamed = 0
+        aborted = False
         try:
             async for out in self.engine.generate(
                 {"prompt_token_ids": prompt_ids}, params, request_id
@@ -220,6 +239,14 @@ class EngineHost:
                 final = out
                 if leader is not None and not leader.is_set():
                     leader.set()
+                if rule is not None:
+                    delta = out.outputs[0]
+                    pieces.append(delta.text)
+                    streamed += len(delta.token_ids)
+                    if _rule_holds(rule, delta.logprobs) and rule.monitor.abort:
+                        aborted = True
+                        await self.engine.abort(request_id)
+                        break
         except asyncio.CancelledError:
             await self.engine.abort(request_id)
             raise
@@ -233,24 +260,23 @@ class EngineHost:
         if final is None or not final.outputs:
             raise EngineError("the engine returned no output")
         choice = final.outputs[0]
-        tokens = len(choice.token_ids)
-        reading, aborted = None, False
-        if slot is not None and self.board is not None:
+        text, tokens, finish = choice.text, len(choice.token_ids), choice.finish_reason
+        reading = None
+        if rule is not None:
+            text, tokens, reading = "".join(pieces), streamed, rule.reading()
+            finish = "stop" if aborted else finish
+        elif slot is not None and self.board is not None:
             reading = await asyncio.to_thread(self.board.read, slot, tokens)
             # the marker ends the request; without the rule firing it was the model's own token
             aborted = choice.stop_reason == self.marker and reading.fired
             if aborted:
                 tokens -= 1
-        first = None
-        stats = getattr(final, "metrics", None)
-        if stats is not None and getattr(stats, "first_token_latency", None):
-            first = stats.arrival_time + stats.first_token_latency
         return Generation(
-            text=choice.text,
-            finish_reason=choice.finish_reason,
+            text=text,
+            finish_reason=finish,
             prompt_tokens=len(final.prompt_token_ids or prompt_ids),
             completion_tokens=tokens,
-            first_token_at=first,
+            first_token_at=_first_token_at(final),
             cached_tokens=int(getattr(final, "num_cached_tokens", 0) or 0),
             aborted=aborted,
             confidence=reading,
@@ -360,34 +386,41 @@ def _has_cuda() -> bool:
         return False
 
 
-def vllm_plugin() -> None:
-    """vLLM general plugin (``pyproject.toml``: entry point ``vllm.general_plugins: vqueue``); vLLM
-    runs it in each of its processes, including the engine core, where the changes have to be.
+def check(settings: Settings) -> dict[str, Any]:
+    """What ``vqueue worker --check`` reports: vLLM, torch, the device, and the plan of
+    optimizations, from vLLM's own config for these settings (no engine is started). Raises
+    ``ConfigError`` for settings that cannot run here."""
+    import torch
 
-    It puts the confidence monitor into the engine's model runner (``worker.confidence``; not
-    with ``VQUEUE_CONFIDENCE_MONITOR=false``), batches guided decoding's per-request work and
-    compiles each distinct grammar once (``worker.structured``). Each change keeps vLLM's
-    results and is skipped where vLLM's internals look different from the version it was
-    written against.
-    """
-    try:
-        s = Settings()
-    except Exception:  # a broken VQUEUE_* variable is the worker's to report, not vLLM's
-        s = None
-    from .confidence import install_monitor
-    from .structured import install_batched_guided_step, install_grammar_reuse
-
-    if s is None or s.parallel_grammar_masks:
-        install_batched_guided_step(s.grammar_threads if s is not None else 0)
-    if s is None or s.grammar_reuse:
-        install_grammar_reuse(s.grammar_threads if s is not None else 0)
-    if s is None or s.confidence_monitor:
-        install_monitor()
+    cuda, gpus = _has_cuda(), _gpu_count()
+    check_engine_settings(settings, cuda, gpus)
+    model_path = resolve_model(settings.model)
+    _, p = configure_engine(settings, engine_kwargs(settings, model_path))
+    device = torch.cuda.get_device_name(0) if cuda else "cpu"
+    return {
+        "vllm": p.vllm,
+        "torch": torch.__version__,
+        "device": device,
+        "gpus": gpus,
+        "model": settings.model,
+        "model_path": model_path,
+        "plugin_registered": plugin_registered(),
+        **{k: v for k, v in p.as_dict().items() if k != "vllm"},
+        "degraded": p.degraded,
+    }
 
 
-def plugin_registered() -> bool:
-    """Whether vLLM will find ``vllm_plugin``: through the installed package's entry point."""
-    from importlib.metadata import entry_points
+def _rule_holds(rule: LogprobRule, logprobs: Any) -> bool:
+    """Feed each new token's top-1 logprob (vLLM's ``logprobs=1`` dicts) to ``rule``."""
+    held = False
+    for top in logprobs or ():
+        held = rule.step(max(lp.logprob for lp in top.values()) if top else 0.0) or held
+    return held
 
-    return any(e.value == "worker.engine:vllm_plugin"
-               for e in entry_points(group="vllm.general_plugins"))  # fmt: skip
+
+def _first_token_at(final: Any) -> float | None:
+    """Wall clock of the first token, from the engine's own request stats."""
+    stats = getattr(final, "metrics", None)
+    if stats is not None and getattr(stats, "first_token_latency", None):
+        return float(stats.arrival_time + stats.first_token_latency)
+    return None

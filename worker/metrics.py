@@ -95,6 +95,15 @@ PREFIX_QUERIES = Counter(
 PREFIX_HITS = Counter(
     "vqueue_prefix_cache_hits_tokens_total", "Prompt tokens found in the prefix cache"
 )
+ENGINE_INFO = Gauge(
+    "vqueue_engine_info",
+    "The engine's vLLM and which of vqueue's optimizations run on it (docs/vllm-compat.md)",
+    ["vllm", "model_runner", "monitor", "guided_batching", "grammar_reuse", "mask_reorder"],
+)
+ENGINE_DEGRADED = Gauge(
+    "vqueue_engine_degraded",
+    "Optimizations the settings want that this vLLM release could not take (0: none)",
+)
 
 
 def serve(port: int, host: str = "0.0.0.0") -> str | None:
@@ -134,6 +143,19 @@ def observe(result: JobResult) -> None:
         EARLY_STOP_WASTED_TOKENS.labels(t).inc(result.usage.wasted_tokens)
     if result.low_confidence:
         LOW_CONFIDENCE.labels(t).inc()
+
+
+def report_plan(plan: Any) -> None:
+    """The engine's plan (``worker.vllm_ext.compat.Plan``) as an info metric."""
+    ENGINE_INFO.labels(
+        str(plan.vllm),
+        plan.model_runner,
+        plan.monitor,
+        str(plan.guided_batching).lower(),
+        str(plan.grammar_reuse).lower(),
+        str(plan.mask_reorder).lower(),
+    ).set(1)
+    ENGINE_DEGRADED.set(len(plan.missing))
 
 
 def duplicate(job_type: str) -> None:
