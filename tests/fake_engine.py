@@ -2,8 +2,9 @@
 restarts, dead letters), where restarting a real engine many times would only add minutes.
 
 It generates nothing: each job sleeps ``VQUEUE_TEST_FAKE_DELAY_S`` and answers a fixed text
-(the benchmarks' instant stub, slowed down and without importing vLLM). A job whose text contains
-``KILL-THE-WORKER`` kills the worker process (SIGKILL), to make a poison job. Used as
+(the benchmarks' instant stub, slowed down). A job whose text contains ``KILL-THE-WORKER`` kills
+the worker process (SIGKILL), to make a poison job; one whose text contains ``RAISE-IN-WORKER``
+raises an exception nobody expects in the per-job path (a bug of ours, say). Used as
 ``VQUEUE_ENGINE_CLASS=tests.fake_engine:FakeEngine``; tests that use it say so. Every other test
 runs the real engine.
 """
@@ -22,10 +23,15 @@ from worker.engine import Generation
 from worker.metrics import EngineStats
 
 POISON = "KILL-THE-WORKER"
+BUG = "RAISE-IN-WORKER"
 
 
 class FakeEngine(StubEngine):
-    def __init__(self, settings: Settings) -> None:  # no vLLM import: starts in a second
+    def __init__(self, settings: Settings) -> None:
+        # what the real engine host has imported before its first job (the jobs' sampling
+        # parameters are vLLM's): not on the first job, whose time it would take
+        import vllm.sampling_params  # noqa: F401
+
         self.settings = settings
         self.model_name = "fake"
         self.delay = float(os.environ.get("VQUEUE_TEST_FAKE_DELAY_S", "0.2"))
@@ -37,6 +43,8 @@ class FakeEngine(StubEngine):
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         if any(POISON in m["content"] for m in messages):
             os.kill(os.getpid(), signal.SIGKILL)
+        if any(BUG in m["content"] for m in messages):
+            raise ZeroDivisionError("injected into the per-job path by the test")
         return super().chat_prompt(messages)
 
     def generate(

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.request
 from typing import Any
 
 import pytest
+import redis
 
 from producer import Client
 from schemas import JobResult
 
-from .conftest import WorkerProc, wait_for
+from .conftest import RUN, Procs, WorkerProc, make_settings, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -156,3 +158,38 @@ def test_early_stop_false_is_honoured_and_the_engine_is_left_clean(
         return m["vqueue_engine_running_requests"] == 0 and m["vqueue_engine_waiting_requests"] == 0
 
     wait_for(idle, 30, "the engine to report no running or waiting request")
+
+
+def test_without_the_monitor_early_stop_reads_vllms_logprobs(
+    module_procs: Procs, redis_client: redis.Redis
+) -> None:
+    # Given a worker whose engine has no monitor and none of vqueue's patches to vLLM: early stop
+    # on vLLM's own logprobs (what a vLLM release the monitor was not verified on gets)
+    q = f"vqtest-{RUN}-fallback"
+    w = module_procs.worker("fb", q, VQUEUE_EARLY_STOP_PATH="logprobs", VQUEUE_VLLM_PATCHES="false")
+    w.wait_ready(redis_client)
+    plan = json.loads(redis_client.get(w.heartbeat_key()) or "{}")["engine"]
+    assert plan["monitor"] == "logprobs" and not plan["guided_batching"]
+    assert not plan["grammar_reuse"] and not plan["mask_reorder"]
+    client = Client(make_settings(q))
+    # When nonsense at temperature 2 and normal greedy jobs run
+    jobs = [_bad(i) for i in range(3)]
+    jobs += [{"id": f"ok{i}", "type": "summarize", "text": t, "max_tokens": 64}
+             for i, t in enumerate(NORMAL)]  # fmt: skip
+    got = _run(client, jobs)
+    # Then the nonsense was aborted and retried, each attempt recorded with its numbers, and
+    # the normal jobs ran once, unaborted, as with the monitor
+    bad = [got[f"bad-{i}"] for i in range(3)]
+    assert any(r.attempts and r.attempts[0].reason == "low_confidence" for r in bad), bad
+    for r in bad:
+        assert r.status == "completed" and r.attempts and r.attempts[-1].reason != "low_confidence"
+        for a in r.attempts:
+            assert a.min_logprob is not None and a.mean_logprob is not None
+        assert r.usage.wasted_tokens == sum(
+            a.tokens for a in r.attempts if a.reason == "low_confidence"
+        )
+    for i in range(len(NORMAL)):
+        assert [a.reason for a in got[f"ok{i}"].attempts] in (["stop"], ["length"])
+    # and the engine ran vLLM's own paths: nothing of vqueue's was installed in it
+    log = w.log_path.read_text()
+    assert "matchers and masks run batched" not in log and "share compiled grammars" not in log

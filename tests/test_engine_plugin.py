@@ -1,5 +1,6 @@
-"""vqueue's vLLM plugin (worker/engine.py: vllm_plugin): it changes how vLLM's engine step runs
-guided decoding and the confidence monitor, never what it produces.
+"""vqueue's code inside vLLM (worker/vllm_ext): it changes how vLLM's engine step runs guided
+decoding and the confidence monitor, never what it produces; it is installed only on the vLLM
+releases it was verified on, and only in engines a vqueue worker starts.
 
 The end-to-end check runs two real engines on the embedded model, one with vLLM's own guided
 step and one with the plugin's, on the same extraction prompts, through the raw-vLLM benchmark
@@ -24,7 +25,153 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_the_plugin_is_registered_with_vllm() -> None:
     found = [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "vqueue"]
-    assert found == ["worker.engine:vllm_plugin"]
+    assert found == ["worker.vllm_ext.plugin:vllm_plugin"]
+
+
+def test_every_vllm_symbol_an_optimization_touches_is_the_one_it_was_verified_on() -> None:
+    # Each optimization names the vLLM releases it was verified on and the exact source of every
+    # vLLM function or class it replaces, wraps or implements. On the vLLM installed here, every
+    # one that lists this release finds the same source: an upgrade that changes one fails in CI
+    # (here), not silently in production.
+    from worker.vllm_ext.compat import (
+        FINGERPRINTS,
+        SYMBOLS,
+        VERIFIED,
+        fingerprint,
+        release,
+        vllm_version,
+    )
+
+    rel = release(vllm_version())
+    assert rel in FINGERPRINTS, f"vLLM {vllm_version()} is not in the compatibility table"
+    here = [name for name, versions in VERIFIED.items() if rel in versions]
+    assert {"monitor-v1", "monitor-v2", "guided-batching", "grammar-reuse"} <= set(here)
+    for name in here:
+        for module, qualname in SYMBOLS[name]:
+            key = f"{module}:{qualname}"
+            assert fingerprint(module, qualname) == FINGERPRINTS[rel][key], (name, key)
+    # and the CPU engine in the tests takes every one of them
+    from worker.vllm_ext.compat import plan
+
+    p = plan(vllm_version(), v2=False)
+    assert (p.monitor, p.guided_batching, p.grammar_reuse, p.mask_reorder) == ("v1", True, True,
+                                                                             True)  # fmt: skip
+    assert plan(vllm_version(), v2=True).monitor == "v2" and p.missing == {}
+
+
+def test_an_unknown_vllm_gets_none_of_it_and_an_error_for_each(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given a vLLM release no optimization was verified on (the one pip would bring next)
+    from worker.vllm_ext.compat import log_missing, plan
+
+    for v2 in (False, True):
+        p = plan("0.33.0", v2=v2)
+        # Then nothing of vqueue's goes into it: early stop falls back to vLLM's own logprobs
+        assert p.monitor == "logprobs"
+        assert not (p.guided_batching or p.grammar_reuse or p.mask_reorder)
+        assert p.degraded
+        # and the worker logs one ERROR per optimization, naming it, the version and the fallback
+        caplog.clear()
+        log_missing(p)
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 4, errors
+        assert all("vLLM 0.33.0 is not a release it was verified on" in e for e in errors)
+        assert any("monitor" in e and "vLLM's own logprobs" in e for e in errors)
+    # and a changed function within a verified release is caught by its fingerprint, not trusted
+    from worker.vllm_ext import compat
+
+    key = "vllm.v1.structured_output:StructuredOutputManager.grammar_bitmask"
+    saved = compat.FINGERPRINTS["0.32"][key]
+    compat.FINGERPRINTS["0.32"][key] = "000000000000"
+    try:
+        reason = compat.why_not("guided-batching", "0.32.9") or ""
+        assert "is not the source it was verified on" in reason
+    finally:
+        compat.FINGERPRINTS["0.32"][key] = saved
+
+
+PLUGIN_CHECK = """
+import json
+from vllm.plugins import load_general_plugins
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.structured_output.backend_guidance import GuidanceBackend
+load_general_plugins()
+print(json.dumps({
+    "batched": getattr(StructuredOutputManager.grammar_bitmask, "__vqueue__", False),
+    "reuse": getattr(GuidanceBackend.compile_grammar, "__vqueue__", False),
+}))
+"""
+
+
+def test_the_plugin_acts_only_in_engines_a_worker_starts() -> None:
+    # Given a vLLM process in the same environment that no vqueue worker started (`vllm serve`)
+    def run(env: dict[str, str]) -> dict[str, bool]:
+        proc = subprocess.run([sys.executable, "-c", PLUGIN_CHECK], env=env, capture_output=True,
+                              text=True, cwd=ROOT, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("VQUEUE_ENGINE")}
+    # Then vLLM loads the plugin there, and it changes nothing
+    assert run(bare) == {"batched": False, "reuse": False}
+    # while in an engine a worker starts (its pid and plan in the environment) it installs
+    # what the plan says
+    from worker.vllm_ext.compat import plan, vllm_version
+
+    p = plan(vllm_version(), v2=False)
+    owned = dict(bare, VQUEUE_ENGINE_OWNER=str(os.getpid()),
+                 VQUEUE_ENGINE_PLAN=json.dumps(p.as_dict()))  # fmt: skip
+    assert run(owned) == {"batched": True, "reuse": True}
+
+
+def test_the_v2_monitor_through_vllms_public_interface(tmp_path: Path) -> None:
+    # Given vLLM's own Model Runner V2 interface for custom logits processors (0.32 on), its
+    # request-state and batch-layout types, and the monitor implementing it
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.worker.gpu.sample.logits_processor import (
+        LogitsContext,
+        LogitsProcessor,
+        LogitsProcRequestState,
+    )
+
+    from worker.confidence import ConfidenceBoard, Monitor, request_args
+    from worker.vllm_ext.monitor import V2Monitor
+
+    assert issubclass(V2Monitor, LogitsProcessor)
+    vocab, marker, slots = 50, 49, 4
+    prefill = torch.full((slots,), 1, dtype=torch.int32)
+    state = LogitsProcRequestState(
+        device=torch.device("cpu"), max_num_reqs=slots, vocab_size=vocab, all_token_ids=None,
+        prompt_len=None, prefill_len=SimpleNamespace(gpu=prefill), total_len=None,
+    )  # type: ignore[arg-type]  # fmt: skip
+    mon = V2Monitor(SimpleNamespace(), state)
+    board = ConfidenceBoard(str(tmp_path))
+    watched = board.slot()
+    # When one request is watched (a threshold every token misses, window 2) and one is not
+    args = request_args(board, watched, Monitor(0.0, 2, 0, True), marker)
+    V2Monitor.validate_params(SimpleNamespace(extra_args=args))
+    assert mon.add_request(1, SimpleNamespace(extra_args=args))
+    assert not mon.add_request(3, SimpleNamespace(extra_args=None))
+    forced = []
+    for step in range(3):
+        logits = torch.randn((2, vocab))
+        rows = torch.tensor([3, 1], dtype=torch.int32)
+        ctx = LogitsContext(
+            expanded_idx_mapping=rows, idx_mapping=rows, idx_mapping_np=rows.numpy(),
+            expanded_local_pos=torch.zeros(2, dtype=torch.int32), input_ids=torch.zeros(2),
+            pos=torch.full((2,), 5 + step), seq_lens_upper_bound_np=np.full(2, 6 + step),
+        )  # fmt: skip
+        out = mon.apply(logits, ctx)
+        forced.append((bool(out[0, marker] == 1e9), bool(out[1, marker] == 1e9)))
+    # Then the watched row is forced to the marker from its second token on, the other never,
+    # and its numbers are on the worker's board
+    assert forced == [(False, False), (False, True), (False, True)]
+    reading = board.read(watched, 3, wait_s=0)
+    assert reading.tokens == 3 and reading.fired
+    board.close()
 
 
 @pytest.mark.parametrize("rows", [[3, 0, 5], list(range(7)), [6], [1, 2, 0, 4, 3, 6, 5]])
@@ -32,7 +179,7 @@ def test_masks_land_on_their_batch_rows(rows: list[int]) -> None:
     # Given a compact bitmask whose row i belongs to batch row rows[i]
     import torch
 
-    from worker.structured import _apply_in_batch_order
+    from worker.vllm_ext.guided import _apply_in_batch_order
 
     rng = np.random.default_rng(len(rows))
     batch, vocab = 7, 1000
@@ -82,14 +229,20 @@ def test_batched_guided_step_gives_the_same_tokens(tmp_path: Path) -> None:
         timeout=900,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    # Then the plugin was in the engine that was meant to have it, and only there
+    # Then the plugin was in the engine that was meant to have it, and only there: the stock
+    # engine ran vLLM's own guided step
     logs = run.stdout + run.stderr
     assert logs.count("guided decoding's matchers and masks run batched") >= 1
     assert logs.count("requests share compiled grammars") >= 1  # 16 jobs over 4 schemas
-    rows = {}
+    rows, plans = {}, {}
     for variant in ("stock", "parallel"):
-        lines = (tmp_path / f"guided-{variant}.jsonl").read_text().splitlines()
-        rows[variant] = next(r for r in map(json.loads, lines) if r.get("run") == "guided")
+        lines = [
+            json.loads(x) for x in (tmp_path / f"guided-{variant}.jsonl").read_text().splitlines()
+        ]
+        rows[variant] = next(r for r in lines if r.get("run") == "guided")
+        plans[variant] = next(r["plan"] for r in lines if "plan" in r)
+    assert not plans["stock"]["guided_batching"] and not plans["stock"]["grammar_reuse"]
+    assert plans["parallel"]["guided_batching"] and plans["parallel"]["grammar_reuse"]
     # and both generated the very same tokens, every one of them allowed by the job's grammar
     assert rows["stock"]["output_tokens"] > 16 * 10
     assert rows["parallel"]["digest"] == rows["stock"]["digest"]
@@ -109,7 +262,7 @@ def test_requests_share_a_few_compiled_grammars_and_each_gets_a_matcher_of_its_o
     from vllm.v1.structured_output.request import get_structured_output_key
 
     from worker.models import prepare_embedded
-    from worker.structured import _reused_grammars, _validated_once
+    from worker.vllm_ext.guided import _reused_grammars, _validated_once
 
     tok = AutoTokenizer.from_pretrained(prepare_embedded())
     flags = SimpleNamespace(disable_any_whitespace=True, disable_additional_properties=False)
@@ -180,7 +333,7 @@ def test_requests_share_a_few_compiled_grammars_and_each_gets_a_matcher_of_its_o
 
 KERNEL_CHECK = """
 import torch
-from worker.confidence import _step, _triton_step
+from worker.vllm_ext.monitor import _step, _triton_step
 
 torch.manual_seed(0)
 slots, vocab = 8, 1000
@@ -248,7 +401,8 @@ def test_the_v2_monitor_keeps_counters_by_slot_and_skips_prefill(tmp_path: Path)
 
     import torch
 
-    from worker.confidence import ConfidenceBoard, Monitor, SlotMonitor, request_args
+    from worker.confidence import ConfidenceBoard, Monitor, request_args
+    from worker.vllm_ext.monitor import SlotMonitor
 
     vocab, marker = 50, 49
     prefill = torch.full((4,), 5, dtype=torch.int32)
@@ -299,7 +453,8 @@ def test_the_monitor_keeps_each_requests_counters_through_batch_changes(tmp_path
 
     import torch
 
-    from worker.confidence import ConfidenceBoard, ConfidenceMonitor, Monitor, request_args
+    from worker.confidence import ConfidenceBoard, Monitor, request_args
+    from worker.vllm_ext.monitor import V1Monitor
 
     Move = Enum("Move", "SWAP UNIDIRECTIONAL")
     rows, vocab, marker = 6, 50, 49
@@ -308,7 +463,7 @@ def test_the_monitor_keeps_each_requests_counters_through_batch_changes(tmp_path
         model_config=SimpleNamespace(get_vocab_size=lambda: vocab),
     )
     board = ConfidenceBoard(str(tmp_path))
-    mon = ConfidenceMonitor(config, torch.device("cpu"), False)
+    mon = V1Monitor(config, torch.device("cpu"), False)
     slots = {name: board.slot() for name in "abcd"}
     rules = {n: Monitor(-1000.0, 2, 0, True) for n in "abc"} | {"d": Monitor(0.0, 2, 1, True)}
     outputs: dict[str, list[int]] = {n: [] for n in "abcd"}

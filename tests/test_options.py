@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from producer import Client
 from producer.client import Refused
 from schemas import JobResult
 
-from .conftest import ROOT, WorkerProc, make_settings, run_cli, wait_for
+from .conftest import KEY_PREFIX, RUN, Procs, WorkerProc, make_settings, run_cli, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -107,101 +106,169 @@ def test_context_limits_and_truncation_policies(client: Client) -> None:
     assert r.error and r.error.type == "input_too_long"
 
 
+def test_truncation_keeps_the_end_it_names() -> None:
+    # Given a document whose beginning, middle and end say different things, 100 tokens allowed,
+    # cut with the worker's own code and the embedded model's tokenizer
+    from transformers import AutoTokenizer
+
+    from schemas import Settings, SummarizeJob
+    from worker.models import prepare_embedded
+    from worker.prompts import PromptTokenizer
+    from worker.runner import fit_input
+
+    tok = PromptTokenizer(AutoTokenizer.from_pretrained(prepare_embedded()))
+    start = "ALPHA opens the report. " * 10
+    middle = "Nothing of note happened in the middle weeks. " * 20
+    end = "OMEGA closes the report. " * 10
+    settings = Settings(_env_file=None)
+    kept = {}
+    for policy in ("head", "tail", "head_tail"):
+        job = SummarizeJob(type="summarize", text=start + middle + end, max_input_tokens=100,
+                           truncation=policy)  # fmt: skip
+        cut, removed = fit_input(job, tok, settings, 8)
+        kept[policy] = cut.text
+        assert removed > 100 and len(tok.encode(cut.text)) <= 100
+    # Then head keeps the beginning, tail the end, head_tail both ends and not the middle
+    assert "ALPHA" in kept["head"] and "OMEGA" not in kept["head"]
+    assert "OMEGA" in kept["tail"] and "ALPHA" not in kept["tail"]
+    both = kept["head_tail"]
+    assert both.startswith("ALPHA") and both.rstrip().endswith("report.") and "OMEGA" in both
+    assert "[...]" in both and "middle weeks" not in both.split("[...]")[0][-60:]
+
+
 def test_rate_limit_per_tenant(worker: WorkerProc, redis_client: redis.Redis) -> None:
-    # Given a tenant limited to 20 jobs/s with a burst of 5
-    s = make_settings(worker.queue, tenant="team-a", rate_limits={"team-a": 20.0},
-                      rate_limit_burst=5)  # fmt: skip
+    # Given two tenants, each limited to 20 jobs/s with a burst of 5
+    limits = {"team-a": 20.0, "team-b": 20.0}
+    s = make_settings(worker.queue, tenant="team-a", rate_limits=limits, rate_limit_burst=5)
     waits: list[str] = []
     client = Client(s, on_wait=waits.append)
     jobs = [{"type": "summarize", "text": f"Item {i}.", "max_tokens": 4} for i in range(25)]
-    # When it submits 25 jobs
-    t0 = time.monotonic()
+    # When team-a submits 25 jobs
     batch = client.submit_many(jobs)
-    elapsed = time.monotonic() - t0
-    # Then submission was held to the rate (20 jobs past the burst at 20/s), said why, and
-    # every job ran
-    assert elapsed >= 0.9 and waits and "team-a" in waits[0]
+    # Then submission was held to its rate (20 jobs past its burst), saying why, and every
+    # job ran
+    assert waits and "team-a" in waits[0] and "20 jobs/s" in waits[0]
     assert batch.wait(timeout=300).completed == 25
-    # and with on_limit=refuse the next submission is refused at once
+    # and with on_limit=refuse its next submission is refused at once
     refusing = Client(s.model_copy(update={"on_limit": "refuse"}))
     with pytest.raises(Refused, match="team-a"):
         refusing.submit_many(jobs)
-    # other tenants are not held back
+    # while team-b, whose own bucket is full, still gets its burst of 5 at once ...
     other = Client(s.model_copy(update={"tenant": "team-b", "on_limit": "refuse"}))
-    other.submit_many(jobs[:10]).wait(timeout=300)
+    burst = other.submit_many(jobs[:5])
+    # ... and is held to its own limit right after it
+    with pytest.raises(Refused, match="team-b"):
+        other.submit_many(jobs[:5])
+    assert burst.wait(timeout=300).completed == 5
+
+
+def test_the_token_bucket_on_a_fake_clock(redis_client: redis.Redis) -> None:
+    # Given a tenant's bucket at 20 jobs/s with a burst of 5, on a clock the test sets
+    from producer.store import BatchStore
+
+    store = BatchStore(redis_client, KEY_PREFIX)
+    tenant, t = f"clock-{RUN}", 1000.0
+
+    def take(n: int, at: float) -> float:
+        return store.take_tokens(tenant, n, rate=20.0, burst=5, now=at)
+
+    # When the burst is taken at once, then one more
+    assert take(5, t) == 0
+    # Then the next job waits exactly one token's time (1/20 s), and nothing was taken
+    assert take(1, t) == pytest.approx(0.05, abs=0.002)
+    assert take(1, t + 0.049) == pytest.approx(0.001, abs=0.002)
+    # once that time has passed it goes, and a long pause refills only up to the burst
+    assert take(1, t + 0.06) == 0
+    assert take(6, t + 100) == pytest.approx(0.05, abs=0.002)
+    assert take(5, t + 100) == 0
 
 
 def test_max_queue_depth_refuses_or_waits(redis_client: redis.Redis, tmp_path: Path) -> None:
     # Given a queue nobody consumes, limited to 10 waiting jobs
-    q = "vqtest-nobody"
+    q = f"vqtest-{RUN}-nobody"
     src = tmp_path / "jobs.jsonl"
     src.write_text("".join(f'{{"type": "summarize", "text": "x{i}"}}\n' for i in range(30)))
     env_limit = {"VQUEUE_MAX_QUEUE_DEPTH": "10", "VQUEUE_ON_LIMIT": "refuse"}
     # When a file of 30 jobs is submitted with on_limit=refuse
-    proc = _cli_env(env_limit, "--queue", q, "submit", str(src))
+    proc = run_cli("--queue", q, "submit", str(src), **env_limit)
     # Then the CLI refuses with exit code 7, saying why
     assert proc.returncode == 7, proc.stderr
     assert "VQUEUE_MAX_QUEUE_DEPTH=10" in proc.stderr.decode()
     assert Client(make_settings(q)).queue_depth() <= 10
     # and with on_limit=wait it waits, saying so, until the queue drains
-    proc = subprocess.Popen(
+    from .conftest import WORKDIR, worker_env
+
+    proc2 = subprocess.Popen(
         [sys.executable, "-m", "producer.cli", "--queue", q, "submit", str(src), "-q"],
-        cwd=ROOT, env=_env({"VQUEUE_MAX_QUEUE_DEPTH": "10"}), stderr=subprocess.PIPE,
+        cwd=WORKDIR, env=worker_env(q, VQUEUE_MAX_QUEUE_DEPTH="10"), stderr=subprocess.PIPE,
     )  # fmt: skip
-    time.sleep(3)
-    assert proc.poll() is None  # still waiting for room
-    keys = [f"{q}:{i}" if i else q for i in range(10)]
+    try:
+        wait_for(lambda: Client(make_settings(q)).queue_depth() >= 10, 60, "a full queue")
+        assert proc2.poll() is None  # waiting for room
+        keys = [f"{q}:{i}" if i else q for i in range(10)]
 
-    def drained() -> bool:  # a stand-in consumer empties the queue until submit is done
-        redis_client.delete(*keys)
-        return proc.poll() is not None
+        def drained() -> bool:  # a stand-in consumer empties the queue until submit is done
+            redis_client.delete(*keys)
+            return proc2.poll() is not None
 
-    wait_for(drained, 60, "submit to finish as the queue drains", interval=0.5)
-    assert proc.returncode == 0 and b"waiting: queue" in proc.stderr.read()
-
-
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    from .conftest import worker_env
-
-    return worker_env("vqtest-main", **extra)
+        wait_for(drained, 60, "submit to finish as the queue drains", interval=0.5)
+        assert proc2.returncode == 0
+        assert b"waiting: queue" in (proc2.stderr.read() if proc2.stderr else b"")
+    finally:
+        proc2.kill()
 
 
-def _cli_env(extra: dict[str, str], *args: str) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(
-        [sys.executable, "-m", "producer.cli", *args], cwd=ROOT, env=_env(extra),
-        capture_output=True, timeout=120,
-    )  # fmt: skip
+def test_max_queue_depth_counts_the_queues_of_routed_workers(redis_client: redis.Redis) -> None:
+    # Given a live worker that producers route jobs to (its heartbeat in the registry; the test
+    # stands in for it so that nothing consumes its own queue) and a depth limit of 10
+    from producer.store import BatchStore
+
+    q = f"vqtest-{RUN}-routed"
+    store = BatchStore(redis_client, KEY_PREFIX)
+    name = f"routed-{RUN}@test"
+    store.heartbeat(name, {"name": name, "queue": q, "routed": True, "concurrency": 100}, 60)
+    client = Client(make_settings(q, max_queue_depth=10, on_limit="refuse"))
+    # When 10 jobs are submitted, they go to that worker's own queue, not the shared one
+    client.submit_many([{"type": "summarize", "text": f"x{i}"} for i in range(10)])
+    assert client.queue_depth() == 0 and client.queue_depth(f"{q}@{name}") == 10
+    # Then the limit still counts them: the next job is refused
+    assert client.waiting() == 10
+    with pytest.raises(Refused, match="VQUEUE_MAX_QUEUE_DEPTH=10"):
+        client.submit_many([{"type": "summarize", "text": "one more"}])
+    store.forget_worker(name)
 
 
-def test_invalid_engine_settings_fail_at_start(redis_client: redis.Redis) -> None:
+def test_invalid_engine_settings_fail_at_start(procs: Procs) -> None:
     # A value no setting takes: the CLI names the env var, exit 2, before anything starts
-    proc = _cli_env({"VQUEUE_DTYPE": "float8"}, "worker")
+    proc = run_cli("worker", VQUEUE_DTYPE="float8", timeout=120)
     assert proc.returncode == 2 and b"VQUEUE_DTYPE" in proc.stderr
     assert b"Traceback" not in proc.stderr
-    # A combination this host cannot run: the worker exits 3 with the reason, before loading
-    w = WorkerProc("badcfg", "vqtest-badcfg", VQUEUE_QUANTIZATION="awq",
-                   VQUEUE_TENSOR_PARALLEL_SIZE="2")  # fmt: skip
-    assert w.proc.wait(120) == 3
+    # A combination this host cannot run: the worker exits 10 (CONFIG) with the reason, before
+    # loading anything
+    w = procs.worker("badcfg", f"vqtest-{RUN}-badcfg", VQUEUE_QUANTIZATION="awq",
+                     VQUEUE_TENSOR_PARALLEL_SIZE="2")  # fmt: skip
+    assert w.proc.wait(120) == 10
     log = w.log_path.read_text()
-    w.log.close()
     assert "VQUEUE_QUANTIZATION=awq needs a CUDA GPU" in log
     assert "VQUEUE_TENSOR_PARALLEL_SIZE > 1 needs GPUs" in log
+    # and `vqueue worker --check` says the same, with the same exit code
+    check = run_cli("worker", "--check", VQUEUE_QUANTIZATION="awq", timeout=300)
+    assert check.returncode == 10 and b"needs a CUDA GPU" in check.stderr, check.stderr
 
 
-def test_gguf_model_file_loads(redis_client: redis.Redis) -> None:
+def test_gguf_model_file_loads(procs: Procs, redis_client: redis.Redis) -> None:
     # Given the embedded model's own GGUF file as VQUEUE_MODEL
     from worker.models import embedded_gguf
 
     gguf = embedded_gguf()
-    w = WorkerProc("gguf", "vqtest-gguf", VQUEUE_MODEL=str(gguf))
-    try:
-        w.wait_ready(redis_client)
-        client = Client(make_settings("vqtest-gguf"))
-        # When a job runs on it
-        res = _run(client, {"id": "g", "type": "summarize", "text": "Bees make honey.",
-                            "max_tokens": 8})["g"]  # fmt: skip
-    finally:
-        w.stop()
+    q = f"vqtest-{RUN}-gguf"
+    w = procs.worker("gguf", q, VQUEUE_MODEL=str(gguf))
+    w.wait_ready(redis_client)
+    client = Client(make_settings(q))
+    # When a job runs on it
+    res = _run(client, {"id": "g", "type": "summarize", "text": "Bees make honey.",
+                        "max_tokens": 8})["g"]  # fmt: skip
+    w.stop()
     # Then it is served from the converted file, under the file's path as the model name
     assert res.status == "completed" and res.text
     assert res.model == str(gguf)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,26 +11,26 @@ from producer import Client
 from producer.routing import rank, worker_queue
 from schemas import Envelope
 
-from .conftest import WorkerProc, make_settings, wait_for
+from .conftest import RUN, Procs, WorkerProc, make_settings, wait_for
 
 pytestmark = pytest.mark.engine
 
-Q = "vqtest-route"
+Q = f"vqtest-{RUN}-route"
 CONTEXT = (
     "def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip(), value\n"
 ) * 12  # a shared code context of a few hundred tokens
 
 
 @pytest.fixture(scope="module")
-def two_workers(redis_client: redis.Redis) -> Iterator[dict[str, WorkerProc]]:
-    ws = {n: WorkerProc(n, Q, VQUEUE_CONCURRENCY="8") for n in ("ra", "rb")}
-    try:
-        for w in ws.values():
-            w.wait_ready(redis_client)
-        yield ws
-    finally:
-        for w in ws.values():
-            w.stop()
+def two_workers(module_procs: Procs, redis_client: redis.Redis) -> dict[str, WorkerProc]:
+    ws = {n: module_procs.worker(n, Q, VQUEUE_CONCURRENCY="8") for n in ("ra", "rb")}
+    for w in ws.values():
+        w.wait_ready(redis_client)
+    return ws
+
+
+def _names(ws: dict[str, WorkerProc]) -> list[str]:
+    return [ws["ra"].node, ws["rb"].node]
 
 
 def _job(group: int, i: int, **extra: Any) -> dict[str, Any]:
@@ -53,7 +52,7 @@ def test_a_prefix_group_lands_on_one_worker(two_workers: dict[str, WorkerProc]) 
     # When they are submitted
     results = list(client.submit_many(jobs).results(timeout=300))
     # Then each group ran on one worker, the one its prefix key ranks first
-    names = ["ra@test", "rb@test"]
+    names = _names(two_workers)
     by_group: dict[str, set[str]] = {}
     for r in results:
         by_group.setdefault(r.id.split("-")[0], set()).add(r.worker or "")
@@ -74,7 +73,7 @@ def test_a_backed_up_worker_sheds_to_the_other(two_workers: dict[str, WorkerProc
     results = list(client.submit_many(jobs).results(timeout=300))
     # Then its worker kept most, and the other took the overflow
     workers = [r.worker for r in results]
-    home = _expected_worker(jobs[0], ["ra@test", "rb@test"])
+    home = _expected_worker(jobs[0], _names(two_workers))
     assert workers.count(home) >= 4 and 0 < len(set(workers) - {home}) <= 1
     assert len(workers) - workers.count(home) > 0
 
@@ -84,20 +83,20 @@ def test_stopping_a_worker_moves_its_keys_and_loses_nothing(
 ) -> None:
     # Given 20 jobs routed to rb, 12 more than it holds, so they wait in its own queue
     client = Client(make_settings(Q, route_spill_depth=100))
-    names = ["ra@test", "rb@test"]
+    ra, rb = _names(two_workers)
     mine = [j for j in (_job(200 + g, 0, max_tokens=32) for g in range(80))
-            if _expected_worker(j, names) == "rb@test"][:20]  # fmt: skip
+            if _expected_worker(j, [ra, rb]) == rb][:20]  # fmt: skip
     batch = client.submit_many(mine)
-    rb_queue = worker_queue(Q, "rb@test")
+    rb_queue = worker_queue(Q, rb)
     wait_for(lambda: client.queue_depth(rb_queue) > 0, 10, "rb's backlog")
     # When rb stops (SIGTERM) with its queue not empty
     two_workers["rb"].stop()
     # Then its jobs all complete (the rest on ra), and its keys now route to ra
     results = list(batch.results(timeout=300))
     assert len(results) == len(mine) and all(r.status == "completed" for r in results)
-    assert {r.worker for r in results} == {"ra@test", "rb@test"}  # rb's backlog went to ra
+    assert {r.worker for r in results} == {ra, rb}  # rb's backlog went to ra
     assert client.queue_depth(rb_queue) == 0
-    wait_for(lambda: not redis_client.exists("vqtest:worker:rb@test"), 30, "rb to be gone")
+    wait_for(lambda: rb not in {w["name"] for w in client.store.workers()}, 30, "rb to be gone")
     after = Client(make_settings(Q))
     res = list(after.submit_many([_job(200, 1)]).results(timeout=300))
-    assert res[0].worker == "ra@test"
+    assert res[0].worker == ra

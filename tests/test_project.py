@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import ROOT, WORKDIR, clean_env, require, run_cli
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
 def test_compose_file_is_valid_and_refuses_to_run_without_passwords() -> None:
     import os
 
     import yaml
 
+    require("docker-compose")  # CI installs it; missing, this fails in CI
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_PASSWORD", "FLOWER_PASSWORD")}
     bare = subprocess.run(
         ["docker-compose", "config", "-q"], cwd=ROOT, env=env, capture_output=True
@@ -28,6 +27,8 @@ def test_compose_file_is_valid_and_refuses_to_run_without_passwords() -> None:
     assert proc.returncode == 0, proc.stderr.decode()
     services = yaml.safe_load(proc.stdout)["services"]
     assert "--appendonly" in services["redis"]["command"]
+    redis_cmd = services["redis"]["command"]
+    assert redis_cmd[redis_cmd.index("--maxmemory-policy") + 1] == "noeviction"
     for name, gpu in (("worker-gpu0", "0"), ("worker-gpu1", "1")):
         (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["device_ids"] == [gpu] and device["capabilities"] == ["gpu"]
@@ -36,7 +37,7 @@ def test_compose_file_is_valid_and_refuses_to_run_without_passwords() -> None:
 
 
 def test_schema_command_prints_the_job_schema() -> None:
-    proc = subprocess.run([sys.executable, "-m", "producer.cli", "schema"], capture_output=True)
+    proc = run_cli("schema")
     schema = json.loads(proc.stdout)
     assert {"summarize", "extract", "codegen", "chat"} <= set(schema["discriminator"]["mapping"])
 
@@ -46,18 +47,46 @@ def test_producer_imports_no_engine() -> None:
         "import producer, sys; from producer import cli; "
         "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=WORKDIR,
+                         env=clean_env())  # fmt: skip
     assert out.stdout.decode().strip() == "[]", out.stderr.decode()
+
+
+def test_the_worker_imports_no_vllm_until_it_builds_its_engine() -> None:
+    # vLLM's internals are touched from one package (worker/vllm_ext), and only by the engine
+    code = (
+        "import sys, worker.app, worker.tasks, worker.engine, worker.runner, "
+        "worker.vllm_ext.compat; "
+        "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=WORKDIR,
+                         env=clean_env())  # fmt: skip
+    assert out.stdout.decode().strip().splitlines()[-1] == "[]", out.stderr.decode()[-2000:]
+
+
+def test_worker_check_prints_what_its_engine_would_run_with() -> None:
+    # `vqueue worker --check` starts nothing: vLLM, torch, the device and the plan
+    proc = run_cli("worker", "--check", "--json", timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    report = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    assert report["vllm"].startswith("0.32") and report["torch"].startswith("2.13")
+    assert report["device"] == "cpu" and report["plugin_registered"] is True
+    assert report["model_runner"] == "v1" and report["monitor"] == "v1"
+    assert report["guided_batching"] and report["grammar_reuse"] and report["mask_reorder"]
+    assert report["missing"] == {} and report["degraded"] is False
+    text = run_cli("worker", "--check", timeout=300).stdout.decode()
+    assert "early_stop         v1" in text and "status             ok" in text
+    # and what the settings turn off is reported off, not missing
+    off = run_cli("worker", "--check", "--json", VQUEUE_VLLM_PATCHES="false",
+                  VQUEUE_EARLY_STOP_PATH="logprobs", timeout=300)  # fmt: skip
+    report = json.loads(off.stdout.decode().strip().splitlines()[-1])
+    assert report["monitor"] == "logprobs" and not report["guided_batching"]
+    assert report["missing"] == {}
 
 
 @pytest.mark.parametrize("gpus", ["x", "0,,a", ","])
 def test_worker_refuses_bad_gpu_ids(gpus: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "producer.cli", "worker", "--gpus", gpus],
-        capture_output=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    proc = run_cli("worker", "--gpus", gpus, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.decode().startswith("vqueue: --gpus takes GPU ids like 0 or 0,1")
 

@@ -11,12 +11,12 @@ from producer.publish import queue_key, task_message
 from schemas import Envelope, SummarizeJob
 from worker.app import create_app
 
-from .conftest import make_settings
+from .conftest import RUN, make_settings
 
 
 def test_message_matches_what_celery_and_kombu_write(redis_client: redis.Redis) -> None:
     # Given one envelope, sent once by Celery itself and once written by us
-    queue = "vqtest-wire"
+    queue = f"vqtest-{RUN}-wire"
     app = create_app(make_settings(queue))
     job = SummarizeJob(type="summarize", id="a1", text="Some text.", priority=7)
     env = Envelope(job=job, batch="b1", enqueued_at=1.0)
@@ -68,7 +68,7 @@ def test_a_result_stored_while_the_reader_waits_is_never_skipped(redis_client: r
     from producer import Client
     from schemas import JobResult, Timings
 
-    client = Client(make_settings("vqtest-race"))
+    client = Client(make_settings(f"vqtest-{RUN}-race"))
     store, batch = client.store, f"race-{uuid.uuid4().hex[:8]}"
     store.create(batch, "vqueue")
     store.claim(batch, ["j1"])

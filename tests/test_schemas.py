@@ -155,3 +155,97 @@ def test_openai_output_lines_follow_the_batch_output_format() -> None:
     )
     out = output_line(bad)
     assert out["response"] is None and out["error"]["code"] == "prompt_too_long"
+
+
+def test_the_readme_lists_every_error_type() -> None:
+    # the typed list (schemas.results.ErrorType) and README's table name the same errors
+    import re
+    from pathlib import Path
+
+    from schemas import ERROR_TYPES
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme[readme.index("| error type | meaning |") :].split("\n\n")[0]
+    listed = set(re.findall(r"^\| `([a-z_]+)` \|", table, flags=re.M))
+    assert listed == set(ERROR_TYPES)
+    with pytest.raises(ValidationError):
+        JobError(type="no_such_error", message="m")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("metadata", {"blob": "m" * 20_000}, "the limit is 16384"),
+        ("metadata", json.loads('{"a": ' + "[" * 30 + "]" * 30 + "}"), "more than 16 levels deep"),
+        ("stop", ["s" * 257], "at most 256 characters"),
+        ("stop", [""], "at least 1 character"),
+    ],
+)  # fmt: skip
+def test_metadata_and_stop_strings_are_bounded(field: str, value: object, expected: str) -> None:
+    with pytest.raises(ValidationError, match=expected):
+        jobs.validate_python({"type": "summarize", "text": "x", field: value})
+
+
+def test_a_line_nested_thousands_deep_is_rejected_alone() -> None:
+    nested = b'{"type": "summarize", "text": "x", "metadata": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    good = line({"id": "ok", "type": "summarize", "text": "x"})
+    parsed = list(parse_lines([nested, good]))
+    assert parsed[0].error == "the line nests too deeply to read"
+    assert parsed[1].job is not None
+
+
+@pytest.mark.parametrize("name", ["V:done", "a b", "x*", "-lead", "", "é"])
+def test_batch_ids_take_a_safe_character_set(name: str) -> None:
+    from schemas import Envelope
+
+    job = {"type": "summarize", "text": "x"}
+    with pytest.raises(ValidationError, match="batch"):
+        Envelope.model_validate({"job": job, "batch": name, "enqueued_at": 0})
+
+
+def test_a_schema_no_answer_could_fill_is_refused_at_once() -> None:
+    # llguidance's check is linear in minItems: 1e8 took 22 s at submit, holding the producer
+    import time
+
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 100_000_000}
+    t0 = time.monotonic()
+    with pytest.raises(ValidationError, match="minItems=100000000"):
+        ExtractJob(type="extract", text="x", json_schema=schema)
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_slow_grammar_check_at_submit_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a grammar check slower than its limit (the check itself stood in for by a sleep,
+    # since no schema within the submit-time bounds is that slow)
+    import time
+
+    import llguidance
+
+    from schemas import jobs as jobs_module
+
+    def slow(*args: object, **kwargs: object) -> str:
+        time.sleep(2)
+        return ""
+
+    monkeypatch.setattr(jobs_module, "SCHEMA_CHECK_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar", staticmethod(slow))
+    # When a schema is checked, Then it is refused once the limit passes, saying why
+    t0 = time.monotonic()
+    problem = jobs_module._grammar_problem('{"type": "object", "title": "slow"}')
+    assert problem == "json_schema's grammar did not compile within 0.5s"
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_stored_templates_are_not_checked_again() -> None:
+    # A registered template was checked once, when added: reading it back never matches its
+    # examples against its schema (a backtracking pattern made that take minutes, every 10 s)
+    from schemas.templates import Template
+
+    evil = {
+        "name": "evil", "instruction": "x",
+        "json_schema": {"type": "object", "properties": {"c": {"type": "string",
+                        "pattern": "^(a+)+$"}}},
+        "examples": [{"text": "x", "output": {"c": "a" * 40 + "!"}}],
+    }  # fmt: skip
+    t = Template.model_validate(evil, context={"stored": True})
+    assert Template.model_validate_json(t.model_dump_json(), context={"stored": True}) == t

@@ -15,14 +15,14 @@ from producer import Client
 from schemas import ExtractJob, JobResult
 from schemas.templates import BUILTIN
 
-from .conftest import ARTIFACTS, run_cli
+from .conftest import ARTIFACTS, RUN, run_cli
 from .structured_cases import cases
 
 pytestmark = pytest.mark.engine
 
-# what a job that did not complete may end with: each names its cause
-JSON_ERRORS = {"schema_incomplete", "schema_validation", "invalid_json", "schema_unsupported",
-               "schema_compile_timeout"}  # fmt: skip
+# what a job that did not complete may end with: guided decoding makes every finished output
+# valid, so only a cut-off one fails (docs/structured-outputs.md promises no other)
+JSON_ERRORS = {"schema_incomplete"}
 
 
 def _run(client: Client, jobs: list[dict[str, Any]]) -> dict[str, JobResult]:
@@ -55,7 +55,7 @@ def test_fifty_schemas_completed_means_valid(client: Client) -> None:
             assert r.error is not None and r.error.type in JSON_ERRORS, (job["id"], r.error)
             assert r.text is not None
             counts[r.error.type] += 1
-    ARTIFACTS.mkdir(exist_ok=True)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     report = {
         "counts": dict(counts),
         "jobs": outcomes,
@@ -82,18 +82,27 @@ def test_cut_off_json_is_retried_once_then_incomplete_with_its_text(client: Clie
 
 def test_schema_derived_max_tokens(client: Client) -> None:
     # Given a small schema and no max_tokens
+    from worker.structured import schema_token_budget
+
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                                "year": {"type": "integer"}},
               "required": ["city", "year"]}  # fmt: skip
-    r = _run(client, [{"id": "s", "type": "extract", "text": "Founded in Oslo in 1624.",
-                       "json_schema": schema}])["s"]  # fmt: skip
-    # Then the output budget came from the schema (about 40 tokens, not the 512 default) and
-    # was enough
+    budget = schema_token_budget(schema, 512)
+    assert 32 <= budget < 100
+    job = {"type": "extract", "text": "Founded in Oslo in 1624.", "json_schema": schema}
+    r = _run(client, [{**job, "id": "s"}])["s"]
+    # Then the output budget came from the schema and was enough
     assert r.status == "completed" and r.data["year"] == 1624
-    assert r.finish_reason == "stop"
+    assert r.finish_reason == "stop" and r.usage.completion_tokens <= budget
+    # and it is what the engine was given: a job that never stops (ignore_eos) is cut at that
+    # budget, then at twice it
+    r = _run(client, [{**job, "id": "e", "ignore_eos": True}])["e"]
+    assert r.error is not None and r.error.type == "schema_incomplete", r
+    assert f"max_tokens={2 * budget}, and at {budget} tokens the first time" in r.error.message
 
 
 def test_templates_builtin_registered_and_unknown(client: Client, tmp_path: Path) -> None:
+    name = f"colour-{RUN}"
     # Given a job naming the built-in "contact" template, with neither schema nor instruction
     text = "Best regards, Priya Natarajan, CFO, Orbit Logistics (priya@orbit.example)"
     r = _run(client, [{"id": "t", "type": "extract", "text": text, "template": "contact"}])["t"]
@@ -102,7 +111,7 @@ def test_templates_builtin_registered_and_unknown(client: Client, tmp_path: Path
     assert _valid(BUILTIN["contact"].json_schema, r.data) and r.data["name"] == "Priya Natarajan"
     # Given a template a user registers with the CLI
     mine = {
-        "name": "colour", "instruction": "Name the colour the text mentions.",
+        "name": name, "instruction": "Name the colour the text mentions.",
         "json_schema": {"type": "object", "properties": {"colour": {"type": "string", "enum":
                         ["red", "green", "blue"]}}, "required": ["colour"]},
         "examples": [{"text": "The sky was blue.", "output": {"colour": "blue"}},
@@ -114,11 +123,23 @@ def test_templates_builtin_registered_and_unknown(client: Client, tmp_path: Path
     assert add.returncode == 0, add.stderr
     listed = run_cli("templates", "list", "--json")
     names = {json.loads(line)["name"] for line in listed.stdout.decode().splitlines()}
-    assert {"contact", "invoice", "event", "colour"} <= names
-    r = _run(
-        client, [{"id": "c", "type": "extract", "text": "Green leaves.", "template": "colour"}]
-    )
+    assert {"contact", "invoice", "event", name} <= names
+    r = _run(client, [{"id": "c", "type": "extract", "text": "Green leaves.", "template": name}])
     assert r["c"].status == "completed" and r["c"].data == {"colour": "green"}
+    # once removed, a job submitted while it existed fails at the worker as unknown_template
+    # (the worker reads templates again at most every 10 s: a name it never loaded is used here)
+    from schemas import Envelope
+
+    gone = f"gone-{RUN}"
+    path.write_text(json.dumps(dict(mine, name=gone)))
+    assert run_cli("templates", "add", str(path)).returncode == 0
+    assert run_cli("templates", "remove", gone).returncode == 0
+    assert run_cli("templates", "remove", gone).returncode == 5
+    job = ExtractJob.model_validate({"id": "g", "type": "extract", "text": "Red.",
+                                     "template": gone})  # fmt: skip
+    env = Envelope(job=job, batch="made-earlier", enqueued_at=0.0)  # submit_many sets its own
+    r = _run(client, [env])
+    assert r["g"].error is not None and r["g"].error.type == "unknown_template"
     # and a template whose example breaks its own schema, or an unknown one, is refused
     bad = dict(mine, name="broken", examples=[{"text": "x", "output": {"colour": "pink"}}])
     path.write_text(json.dumps(bad))
