@@ -143,8 +143,9 @@ def test_flower_tasks_page_in_chromium(flower: str, client: Client) -> None:
     assert shot.stat().st_size > 10_000 and shot.read_bytes()[:4] == b"\x89PNG"
 
 
-def _on_a_terminal(*args: str) -> bytes:
-    """stdout of a CLI run on a pseudo-terminal (click drops escape codes on a pipe)."""
+def _on_a_terminal(*args: str, seen: list[bytes] | None = None) -> bytes:
+    """stdout of a CLI run on a pseudo-terminal (click drops escape codes on a pipe); ``seen``
+    gets the output as it comes, for a caller watching from another thread."""
     import os
     import pty
 
@@ -163,6 +164,8 @@ def _on_a_terminal(*args: str) -> bytes:
         if not chunk:
             break
         out += chunk
+        if seen is not None:
+            seen.append(chunk)
     os.close(leader)
     assert proc.wait(300) == 0
     return out
@@ -256,13 +259,24 @@ def test_status_shows_workers_queues_and_batches(worker: WorkerProc, client: Cli
 
 
 def test_status_watch_follows_a_running_batch(client: Client) -> None:
-    # Given a batch that takes a few seconds
-    jobs = [{"type": "summarize", "text": f"Story {i}.", "max_tokens": 64, "min_tokens": 64,
-             "ignore_eos": True} for i in range(6)]  # fmt: skip
-    b = client.submit_many(jobs)
+    # Given a batch still open (more jobs to come), with one job in it
+    import threading
+
+    job = {"type": "summarize", "text": "Story.", "max_tokens": 16}
+    b = client.submit_many([dict(job, id="first")], seal=False)
     # When `status --watch` follows it on a terminal
-    watch = _on_a_terminal("status", b.id, "--watch")
-    # Then it redrew in place while the batch ran, and ended with the batch
+    seen: list[bytes] = []
+    got: list[bytes] = []
+    watcher = threading.Thread(
+        target=lambda: got.append(_on_a_terminal("status", b.id, "--watch", seen=seen))
+    )
+    watcher.start()
+    wait_for(lambda: b"1/1 done" in b"".join(seen), 120, "the watch to show the first job done")
+    # and the rest of the batch arrives and runs
+    client.submit_many([dict(job, id=f"more{i}") for i in range(5)], batch=b.id)
+    watcher.join(300)
+    # Then it redrew in place as the batch grew and ran, and ended with the batch
+    (watch,) = got
     frames = watch.split(b"\x1b[H\x1b[2J")
     assert watch.startswith(b"\x1b[H\x1b[2J") and len(frames) > 2, watch[-500:]
-    assert b"6/6 done" in frames[-1] and b"6/6 done" not in frames[1]
+    assert b"/1 done" in frames[1] and b"6/6 done" in frames[-1]
