@@ -1,6 +1,6 @@
 """The confidence monitor's step on its own, without an engine: host and device time per step of
-``ConfidenceMonitor.apply`` on a full batch of logits, steady (no request joins or leaves) and
-with churn (some rows replaced every step), every row watched.
+``V1Monitor.apply`` (``worker/vllm_ext/monitor.py``) on a full batch of logits, steady (no
+request joins or leaves) and with churn (some rows replaced every step), every row watched.
 
     python -m benchmarks.monitor_step --out $OUT            # on the GPU; --vocab 151936 default
     python -m benchmarks.monitor_step --out /tmp/m --vocab 4096 --steps 20   # a CPU smoke run
