@@ -63,6 +63,9 @@ def new_batch_id() -> str:
 LIVENESS_CHECK_S = 5.0
 
 
+PAGE = 1000  # results per read of a batch's stream
+
+
 class _Follow:
     """One reader's wait on a batch, shared by every loop that waits (``Batch.results``,
     ``Batch.wait``, ``Batch.result``, ``AsyncClient.results``): when the batch is complete, and
@@ -171,15 +174,18 @@ class Batch:
         follow = _Follow(self, timeout)
         store = self.client.store
         while True:
-            page = store.read(self.id, after, block_ms=None if follow.complete else 1000)
+            page = store.read(
+                self.id, after, block_ms=None if follow.complete else 1000, count=PAGE
+            )
             for after, res in page:
                 self.last_entry = after
                 yield res
-            if page:
-                continue
             if follow.complete:
-                return
-            follow.check()
+                if not page:
+                    return
+                continue
+            if len(page) < PAGE:  # caught up: was that the last? (else a 1 s wait to find out)
+                follow.check()
 
     def wait(self, timeout: float | None = None, poll_s: float = 0.5) -> BatchStatus:
         """Block until every job of the batch has a result; returns the final counters."""
@@ -425,18 +431,19 @@ class AsyncClient:
         while True:
             if follow.complete:
                 low = f"({after}" if after != "0-0" else "-"
-                entries = await self._r.xrange(stream, min=low, count=1000)
+                entries = await self._r.xrange(stream, min=low, count=PAGE)
             else:
-                resp = await self._r.xread({stream: after}, count=1000, block=1000)
+                resp = await self._r.xread({stream: after}, count=PAGE, block=1000)
                 entries = resp[0][1] if resp else []
             for entry_id, fields in entries:
                 after = entry_id  # resume point for the next read
                 yield JobResult.model_validate_json(fields["result"])
-            if entries:
-                continue
             if follow.complete:
-                return
-            await asyncio.to_thread(follow.check)
+                if not entries:
+                    return
+                continue
+            if len(entries) < PAGE:  # caught up: was that the last?
+                await asyncio.to_thread(follow.check)
 
     async def result(self, batch: str, job_id: str, timeout: float | None = None) -> JobResult:
         return await asyncio.to_thread(self._sync.batch(batch).result, job_id, timeout)
