@@ -24,7 +24,7 @@ class StubEngine:
         self.started_at = time.time()
         self._lock = threading.Lock()
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, str]], known: Any = None) -> list[int]:
         # about four characters a token, like a real tokenizer on English
         return [0] * max(1, sum(len(m["content"]) for m in messages) // 4)
 

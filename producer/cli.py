@@ -767,6 +767,14 @@ def worker(
         argv = [sys.executable, "-m", "producer.cli", "check-engine"]
         os.execvpe(sys.executable, argv + (["--json"] if as_json else []), env)
     ws = s.model_copy(update={"concurrency": concurrency} if concurrency else {})
+    if s.max_num_seqs is None and not ws.concurrency:
+        # the pool is 2 x max_num_seqs: resolve the device's default now, for both
+        if "CUDA_VISIBLE_DEVICES" in env:  # the device this worker will run on
+            os.environ["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
+        from worker.engine import device_max_num_seqs
+
+        env["VQUEUE_MAX_NUM_SEQS"] = str(device_max_num_seqs())
+        ws = ws.model_copy(update={"max_num_seqs": int(env["VQUEUE_MAX_NUM_SEQS"])})
     from celery.utils.nodenames import host_format
 
     from .routing import worker_queue

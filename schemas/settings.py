@@ -43,8 +43,14 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     # KV cache size in bytes; overrides gpu_memory_utilization (on CPU it is what to set)
     kv_cache_memory_bytes: int | None = None
-    max_num_seqs: int = 256
+    # sequences per engine step; None: per device, vLLM's offline defaults, which is what a batch
+    # system runs (worker/engine.py: device_max_num_seqs): 1024 on GPUs of 70 GiB and more
+    # except the A100, 256 elsewhere and on CPUs
+    max_num_seqs: int | None = Field(default=None, ge=1)
     max_num_batched_tokens: int | None = None
+    # how vLLM loads weights; "dummy" makes random ones from the config alone, which is how the
+    # GPU benchmarks run a 7B-shaped model without its files (never for real work)
+    load_format: Literal["auto", "dummy"] = "auto"
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
     # weights' quantization as vLLM names it (awq, gptq, fp8, bitsandbytes, ...); None: as the
     # checkpoint says. A .gguf VQUEUE_MODEL is dequantized on load instead (worker/models.py).
@@ -88,6 +94,7 @@ class Settings(BaseSettings):
     # measure the queue alone (never for real work)
     engine_class: str = "worker.engine:EngineHost"
     # Celery threads; 0 means 2 * max_num_seqs, so the engine always has its next batch queued
+    # (`vqueue worker` resolves an unset max_num_seqs for its device first)
     concurrency: int = 0
     gpus: str | None = None  # CUDA_VISIBLE_DEVICES for this worker
     heartbeat_s: float = 5.0  # how often a worker refreshes its liveness key
@@ -96,6 +103,13 @@ class Settings(BaseSettings):
     # adds N, so one worker per GPU on a host gets its own port.
     metrics_port: int = Field(default=9808, ge=0, le=65535)
     metrics_host: str = "0.0.0.0"
+
+    # how often Python hands the GIL between the worker's threads (worker/app.py); Python's own
+    # 5 ms makes every Redis round trip wait behind vLLM's frontend loop
+    gil_switch_ms: float = Field(default=0.25, gt=0, le=100)
+    # task threads that may tokenize at once; 0: a quarter of the cores, 2 to 8 (prompts.py:
+    # unbounded, hundreds of threads tokenizing long documents starve vLLM's own processes)
+    tokenizer_threads: int = Field(default=0, ge=0)
 
     # -- prompts and inputs, per job type
     # system prompts: short, since every token of them is prefilled for every job; "" drops the
@@ -173,7 +187,7 @@ class Settings(BaseSettings):
         return self.result_backend or self.broker_url
 
     def worker_concurrency(self) -> int:
-        return self.concurrency or 2 * self.max_num_seqs
+        return self.concurrency or 2 * (self.max_num_seqs or 256)
 
     def default_max_tokens(self, job_type: str) -> int:
         return int(getattr(self, f"max_tokens_{job_type}"))

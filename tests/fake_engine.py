@@ -40,12 +40,12 @@ class FakeEngine(StubEngine):
         self.stats = EngineStats()
         self._lock = threading.Lock()
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, str]], known: Any = None) -> list[int]:
         if any(POISON in m["content"] for m in messages):
             os.kill(os.getpid(), signal.SIGKILL)
         if any(BUG in m["content"] for m in messages):
             raise ZeroDivisionError("injected into the per-job path by the test")
-        return super().chat_prompt(messages)
+        return super().chat_prompt(messages, known)
 
     def generate(
         self,

@@ -125,9 +125,10 @@ def test_truncation_keeps_the_end_it_names() -> None:
     for policy in ("head", "tail", "head_tail"):
         job = SummarizeJob(type="summarize", text=start + middle + end, max_input_tokens=100,
                            truncation=policy)  # fmt: skip
-        cut, removed = fit_input(job, tok, settings, 8)
+        cut, removed, known = fit_input(job, tok, settings, 8)
         kept[policy] = cut.text
         assert removed > 100 and len(tok.encode(cut.text)) <= 100
+        assert known is not None and known[0] == cut.text and len(known[1]) <= 100
     # Then head keeps the beginning, tail the end, head_tail both ends and not the middle
     assert "ALPHA" in kept["head"] and "OMEGA" not in kept["head"]
     assert "OMEGA" in kept["tail"] and "ALPHA" not in kept["tail"]
@@ -286,3 +287,69 @@ def test_output_budgets_and_stop_sequences(client: Client) -> None:
     s = got["stop"]
     assert s.finish_reason == "stop" and " the" not in (s.text or "")
     assert s.usage.completion_tokens < 64
+
+
+def test_a_long_document_is_encoded_once_and_its_prompt_says_the_same() -> None:
+    # Given a summarize job whose document is too long to pass the byte check (it must be
+    # encoded to be measured), and the embedded model's real tokenizer
+    from transformers import AutoTokenizer
+
+    from schemas import Settings, SummarizeJob
+    from worker.models import prepare_embedded
+    from worker.prompts import PromptTokenizer, build_messages
+    from worker.runner import fit_input
+
+    tok = PromptTokenizer(AutoTokenizer.from_pretrained(prepare_embedded()))
+    settings = Settings(_env_file=None, max_model_len=2048)
+    doc = "The committee met on Tuesday and approved the budget for the new bridge. " * 60
+    job = SummarizeJob(type="summarize", text=doc)
+
+    # When it is fitted and its prompt built from the ids the fit already made
+    fitted, removed, known = fit_input(job, tok, settings, 128)
+    assert removed == 0 and known is not None
+    assert known == (doc, tok.encode(doc))  # the measuring encode, handed on
+    messages = build_messages(fitted, settings)
+    spliced = tok.chat_prompt(messages, known)
+    whole = tok.chat_prompt(messages)
+
+    # Then the prompt reads exactly the same text, and tokenizes to the same length give or
+    # take the one boundary encoded apart
+    assert tok.decode(spliced) == tok.decode(whole)
+    assert abs(len(spliced) - len(whole)) <= 1
+    n = len(known[1])  # and the document's ids are in it as they were, in one run
+    assert any(spliced[i : i + n] == known[1] for i in range(len(spliced) - n + 1))
+
+
+def test_cleaning_skips_documents_with_nothing_to_clean_and_only_those() -> None:
+    # Given random texts over an alphabet of everything clean() removes or folds, and plain text
+    import random
+    import re
+
+    from worker import prompts
+
+    def slow(text: str, prose: bool) -> str:  # the seven passes, unconditionally
+        text = prompts._CONTROL.sub("", prompts._INVISIBLE.sub("", text.replace("\r\n", "\n")))
+        if prose:
+            text = prompts._SPACES.sub(" ", text)
+            text = prompts._BLANK_LINES.sub(
+                "\n\n", prompts._TRAILING.sub("\n", prompts._RUNS.sub(" ", text))
+            )
+        return text
+
+    rng = random.Random(7)
+    alphabet = "ab .\n\t\r\x00\x07\x7f\x85\u200b\u00ad\u00a0\u3000é中"
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12))) for _ in range(3000)]
+    texts += ["Plain text.\n\nA second paragraph, ASCII only.", "x" * 10_000]
+    # When each is cleaned, as prose and as code
+    for text in texts:
+        for prose in (True, False):
+            # Then the result is what the full passes give, fast path or not
+            assert prompts.clean(text, prose) == slow(text, prose), repr(text)
+    assert prompts._clean_already(texts[-2]) and not re.search("  ", texts[-2])
+
+
+def test_tokenizer_threads_are_bounded() -> None:
+    from worker.prompts import tokenizer_threads
+
+    assert 2 <= tokenizer_threads(0) <= 8
+    assert tokenizer_threads(3) == 3

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 import uuid
@@ -99,7 +100,7 @@ class EngineHost:
         if asyncio.iscoroutine(tokenizer):  # vLLM < 0.30 made it a coroutine
             tokenizer = self._call(tokenizer)
         self.tokenizer = tokenizer
-        self.prompts = PromptTokenizer(tokenizer, self._nonce)
+        self.prompts = PromptTokenizer(tokenizer, self._nonce, settings.tokenizer_threads)
         # logprob early stop: the monitor in the engine reports to this board (worker/confidence)
         in_engine = self.plan is not None and self.plan.monitor in IN_ENGINE_MONITOR
         self.board = ConfidenceBoard() if in_engine else None
@@ -132,10 +133,12 @@ class EngineHost:
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict[str, str]], known: tuple[str, list[int]] | None = None
+    ) -> list[int]:
         """Token ids of ``messages`` in the model's chat template; see ``prompts.render``."""
         try:
-            return self.prompts.chat_prompt(messages)
+            return self.prompts.chat_prompt(messages, known)
         except Exception as exc:  # noqa: BLE001  # the model's template refused this chat
             raise EngineError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
 
@@ -301,7 +304,7 @@ def engine_kwargs(s: Settings, model_path: str) -> dict[str, Any]:
         model=model_path,
         served_model_name=s.served_model_name or s.model,
         max_model_len=s.max_model_len,
-        max_num_seqs=s.max_num_seqs,
+        max_num_seqs=s.max_num_seqs or device_max_num_seqs(),
         dtype=s.dtype if s.dtype != "auto" or cuda else CPU_DEFAULT_DTYPE,
         tensor_parallel_size=s.tensor_parallel_size,
         enforce_eager=s.enforce_eager if s.enforce_eager is not None else not cuda,
@@ -317,6 +320,8 @@ def engine_kwargs(s: Settings, model_path: str) -> dict[str, Any]:
     )
     if s.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
+    if s.load_format != "auto":
+        kwargs["load_format"] = s.load_format
     if s.quantization:
         kwargs["quantization"] = s.quantization
     if s.cpu_offload_gb:
@@ -357,15 +362,37 @@ def check_engine_settings(s: Settings, cuda: bool, gpus: int) -> None:
         problems.append(
             f"VQUEUE_TENSOR_PARALLEL_SIZE={s.tensor_parallel_size} but {gpus} GPU(s) are visible"
         )
-    if s.max_num_batched_tokens is not None and s.max_num_batched_tokens < s.max_num_seqs:
+    seqs = s.max_num_seqs or (1024 if cuda else 256)
+    if s.max_num_batched_tokens is not None and s.max_num_batched_tokens < seqs:
         problems.append(
             f"VQUEUE_MAX_NUM_BATCHED_TOKENS={s.max_num_batched_tokens} is below "
-            f"VQUEUE_MAX_NUM_SEQS={s.max_num_seqs}: not every running sequence could advance"
+            f"max_num_seqs={seqs}: not every running sequence could advance"
         )
     if s.kv_cache_memory_bytes is not None and s.kv_cache_memory_bytes < 16 * 1024**2:
         problems.append("VQUEUE_KV_CACHE_MEMORY_BYTES under 16 MiB holds almost nothing")
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def device_max_num_seqs() -> int:
+    """Sequences per engine step when ``VQUEUE_MAX_NUM_SEQS`` is unset: vLLM's offline default
+    for this device (``EngineArgs`` with ``UsageContext.LLM_CLASS``, the same table in vLLM 0.26
+    and 0.32): 1024 on GPUs of 70 GiB or more other than the A100, 256 on the rest and on CPUs.
+    A bare engine would get the same; it is resolved here because the worker's threads pool
+    (``2 x max_num_seqs``) is sized before the engine exists. On a 0.5B model on an H200 a step
+    is bound by the host, so four times the sequences per step is most of the offline speed."""
+    if not os.path.exists("/dev/nvidiactl"):  # no NVIDIA driver: not worth importing torch
+        return 256
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return 256
+        props = torch.cuda.get_device_properties(0)
+    except Exception:  # noqa: BLE001  # no usable CUDA: vLLM's default for unknown devices
+        return 256
+    big = props.total_memory >= 70 * 1024**3 and "a100" not in props.name.lower()
+    return 1024 if big else 256
 
 
 def _gpu_count() -> int:

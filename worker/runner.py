@@ -91,8 +91,10 @@ def run_job(
             if schema is not None
             else settings.default_max_tokens(job.type)
         )
-        job, result.input_tokens_truncated = fit_input(job, engine, settings, want)
-        prompt = engine.chat_prompt(build_messages(job, settings, examples))
+        job, result.input_tokens_truncated, known = fit_input(job, engine, settings, want)
+        messages = build_messages(job, settings, examples)
+        # a long document was encoded to measure it: its ids go into the prompt as they are
+        prompt = engine.chat_prompt(messages, known) if known else engine.chat_prompt(messages)
         if isinstance(job, ChatJob):  # a conversation fits its limit or is refused, never cut
             limit = job.max_input_tokens or settings.max_input_tokens(job.type)
             if len(prompt) > limit:
@@ -253,29 +255,33 @@ DOCUMENT = {"summarize": "text", "extract": "text", "codegen": "context"}
 _MARK = "\n[...]\n"  # where head_tail truncation removed the middle
 
 
-def fit_input(job: Any, engine: Any, settings: Settings, want: int) -> tuple[Any, int]:
+def fit_input(
+    job: Any, engine: Any, settings: Settings, want: int
+) -> tuple[Any, int, tuple[str, list[int]] | None]:
     """Apply the job type's input limit with the model's tokenizer: the job, possibly with its
-    document cut by the truncation policy, and how many tokens were cut.
+    document cut by the truncation policy, how many tokens were cut, and, when the document had
+    to be encoded to tell, the document as it now stands with its ids (for ``render``'s
+    ``known``, so that it is not encoded twice).
 
     The document may have at most ``max_input_tokens`` tokens, and no more than fit the context
     with ``want`` tokens left to answer. Past the type's limit, ``reject`` fails the job with
     ``input_too_long``; past the context, with ``prompt_too_long``.
     """
     if isinstance(job, ChatJob):  # never cut; run_job checks its rendered prompt's length
-        return job, 0
+        return job, 0, None
     limit = job.max_input_tokens or settings.max_input_tokens(job.type)
     field = DOCUMENT[job.type]
     doc = getattr(job, field) or ""
     # the answer's room, and a few tokens of slack: a cut text may re-tokenize a little longer
     fits_context = settings.max_model_len - max(want, MIN_ANSWER_TOKENS) - 8
     if len(doc.encode()) <= min(limit, fits_context):  # a token is at least a byte
-        return job, 0
+        return job, 0, None
     empty = job.model_copy(update={field: ""})
     overhead = len(engine.chat_prompt(build_messages(empty, settings)))
     room = fits_context - overhead
     ids = engine.encode(doc)
     if len(ids) <= min(limit, room):
-        return job, 0
+        return job, 0, (doc, ids)
     policy = job.truncation or settings.truncation(job.type)
     if policy == "reject" or min(limit, room) < 1:
         if len(ids) > limit:
@@ -289,15 +295,19 @@ def fit_input(job: Any, engine: Any, settings: Settings, want: int) -> tuple[Any
             f"the {field} is {len(ids)} tokens; {max(room, 0)} fit the model's context of "
             f"{settings.max_model_len} with {want} left to answer",
         )
-    keep = max(min(limit, room) - len(engine.encode(_MARK)), 1)
+    mark = engine.encode(_MARK)
+    keep = max(min(limit, room) - len(mark), 1)
     if policy == "head":
-        text = engine.decode(ids[:keep])
+        kept = ids[:keep]
+        text = engine.decode(kept)
     elif policy == "tail":
-        text = engine.decode(ids[-keep:])
+        kept = ids[-keep:]
+        text = engine.decode(kept)
     else:
-        head = keep // 2
-        text = engine.decode(ids[:head]) + _MARK + engine.decode(ids[len(ids) - (keep - head) :])
-    return job.model_copy(update={field: text}), len(ids) - keep
+        head, tail = ids[: keep // 2], ids[len(ids) - (keep - keep // 2) :]
+        kept = head + mark + tail
+        text = engine.decode(head) + _MARK + engine.decode(tail)
+    return job.model_copy(update={field: text}), len(ids) - keep, (text, kept)
 
 
 def sampling_params(
