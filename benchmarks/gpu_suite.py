@@ -1,29 +1,47 @@
-"""The GPU suite: raw vLLM vs vqueue end to end vs a Transformers loop, same jobs, one GPU.
+"""The GPU suite: vqueue end to end against the better of two raw vLLM paths, on equal work.
 
-    python -m benchmarks.gpu_suite all --model /tmp/models/qwen05 --out $OUT
+    python -m benchmarks.gpu_suite --model /tmp/models/qwen05 --out $OUT \\
+        --workloads mixed,prefix,long,long32k,json --rounds 3 --max-model-len 40960
 
-``all`` runs, one after the other so each has the GPU alone:
-  raw      vLLM offline ``LLM.chat`` on all prompts of a workload at once (the ceiling), in a
-           subprocess so its GPU memory is returned before the worker starts;
-  vqueue   one ``vqueue worker --gpus 0`` process; the Python producer submits every job of a
-           workload and collects every result (wall = first submit to last result);
-  hf       the seed notes' Transformers ``generate`` loop, batch 1, fp16, on a small sample;
-then writes suite.json, suite.md (the table) and suite.png (the plot) under --out.
-Workloads: mixed (summarize/extract/codegen), prefix-heavy, long-context (8K), JSON-heavy.
-Output lengths are fixed with ignore_eos/min_tokens (random-weights models rarely stop); guided
-JSON cannot be forced past its end, so extract jobs fix only max_tokens. Also runs on a CPU host
-at a small --scale, which is how the script itself is tested.
+Three systems, each with its own engine built from the same engine arguments (those a worker
+builds: ``benchmarks.engine_setup``), all three resident on the GPU at once with their KV caches
+sized in bytes, so that each round runs every workload on every system back to back (paired
+rounds; the order of the systems rotates from round to round):
+
+  raw LLM.chat  vLLM's offline ``LLM.chat`` on the jobs' messages, all at once; it renders and
+                tokenizes inside its time.
+  raw AsyncLLM  vLLM's online engine, the one a worker hosts, given every prompt as token ids at
+                once; prompts are built by the worker's own code (``fit_input``, ``render``)
+                before the clock starts.
+  vqueue        one ``vqueue worker`` process; the Python producer submits every job and reads
+                every result (the clock runs from the first submit to the last result read).
+
+Equal work: the same prompts and sampling; output lengths fixed with ``ignore_eos``/``min_tokens``
+(a random-weights model rarely stops). Guided JSON cannot be forced past its end, and vqueue runs
+a JSON answer cut off at ``max_tokens`` once more with twice the room; both raw systems do the
+same (LLM.chat in a second call, AsyncLLM per request, as the worker does), and every row counts
+every token generated, first runs included. The script exits 1 when a vqueue row's generated
+tokens differ by more than 1% from either raw row of its round.
+
+Per round, ``ratio_vs_raw`` is vqueue's jobs/s over the better raw row of that workload and round;
+the summary gives medians over the rounds. Results go to ``--out`` after every round (suite.json,
+suite.md), so a run cut short by ``--budget-s`` or a kill keeps what it measured. Also runs on a
+CPU host at a small ``--scale``, which is how the script itself is checked.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -35,42 +53,12 @@ from schemas import Job, Settings
 from . import workloads as wl
 
 ROOT = Path(__file__).resolve().parent.parent
-# prompts exactly as a worker with default settings renders them
-_S = Settings(_env_file=None)
 _jobs: TypeAdapter[Any] = TypeAdapter(Job)
+SYSTEMS = ("raw LLM.chat", "raw AsyncLLM", "vqueue")
+RAW = SYSTEMS[:2]
 
 
 # ------------------------------------------------------------------------------- helpers
-class MemorySampler:
-    """Peak GPU memory in use (nvidia-smi, MiB) while a block runs; None without a GPU."""
-
-    def __init__(self) -> None:
-        self.peak: int | None = None
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        if not shutil.which("nvidia-smi"):
-            return
-        while not self._stop.is_set():
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                capture_output=True,
-                text=True,
-            ).stdout.split()
-            if out:
-                self.peak = max(self.peak or 0, int(out[0]))
-            self._stop.wait(0.5)
-
-    def __enter__(self) -> MemorySampler:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join(5)
-
-
 def stop(proc: subprocess.Popen, log: Any, timeout: float) -> None:
     """SIGTERM (a worker drains, a server shuts down), SIGKILL after ``timeout``."""
     proc.terminate()
@@ -88,15 +76,21 @@ def launch_worker(
     its process, its log file and the seconds it took to start."""
     import redis
 
-    r = redis.Redis.from_url(redis_url)
+    from producer.store import BatchStore
+
+    s = Settings(
+        _env_file=None, broker_url=redis_url, key_prefix=env.get("VQUEUE_KEY_PREFIX", "vqueue")
+    )
+    store = BatchStore.from_settings(s)
+    redis.Redis.from_url(redis_url).ping()
     log = open(log_path, "w")  # noqa: SIM115
     argv = [sys.executable, "-m", "producer.cli", "worker", "-n", name, *extra]
     if shutil.which("nvidia-smi"):
         argv += ["--gpus", "0"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    while not r.exists(f"vqueue:worker:{name}"):
-        if proc.poll() is not None or time.perf_counter() - t0 > 600:
+    while not any(w.get("name") == name for w in store.workers()):
+        if proc.poll() is not None or time.perf_counter() - t0 > 900:
             stop(proc, log, 30)
             raise RuntimeError(f"worker did not start (exit {proc.poll()}); see {log_path}")
         time.sleep(0.5)
@@ -115,28 +109,24 @@ def build(model: str, scale: float, names: list[str]) -> dict[str, list[dict[str
 
     tok = AutoTokenizer.from_pretrained(model)
     t = wl.TextMaker(lambda s: len(tok.encode(s, add_special_tokens=False)))
+    small = scale < 0.1  # a CPU check: short documents, or it takes hours
 
     def n(x: int) -> int:
         return max(3, round(x * scale))
 
     makers = {
-        "mixed": lambda: wl.mixed(t, n(2000)),
-        "prefix": lambda: wl.prefix_heavy(
-            t,
-            prefixes=max(2, round(50 * min(1, scale * 4))),
-            per_prefix=max(2, round(40 * min(1, scale * 4))),
-        ),
-        "long": lambda: wl.long_context(t, n(300), in_tokens=8000 if scale >= 0.1 else 1500),
-        "json": lambda: wl.json_heavy(t, n(1000)),
+        "mixed": lambda: wl.mixed(t, n(1000)),
+        "prefix": lambda: wl.prefix_heavy(t, prefixes=max(2, n(25)), per_prefix=max(2, n(32))),
+        "long": lambda: wl.long_context(t, n(200), in_tokens=1500 if small else 8000),
+        "long32k": lambda: wl.long_context(t, n(40), in_tokens=3000 if small else 32000),
+        "json": lambda: wl.json_heavy(t, n(500)),
     }
     return {k: makers[k]() for k in names}
 
 
-def warmup(a: argparse.Namespace) -> list[dict[str, Any]]:
+def warmup(scale: float) -> list[dict[str, Any]]:
     """A few jobs of each type first: CUDA graphs, grammar compilation, allocator warm."""
-    return wl.mixed(
-        wl.TextMaker(lambda s: len(s) // 4, seed=9), max(3, round(48 * min(1, a.scale * 10)))
-    )
+    return wl.mixed(wl.TextMaker(lambda s: len(s) // 4, seed=9), max(3, round(48 * min(1, scale))))
 
 
 def settings_for(a: argparse.Namespace) -> Settings:
@@ -145,437 +135,483 @@ def settings_for(a: argparse.Namespace) -> Settings:
         model=a.model,
         max_model_len=a.max_model_len,
         gpu_memory_utilization=a.gpu_memory_utilization,
+        kv_cache_memory_bytes=a.kv_cache_bytes or None,
+        load_format=a.load_format,
     )
 
 
-def summarize(
-    name: str,
+def row(
+    workload: str,
     system: str,
+    rnd: int,
     wall: float,
     jobs: int,
-    out_tokens: int,
+    generated: int,
     prompt_tokens: int,
     ttft: list[float],
-    mem: int | None,
     failed: int = 0,
     **extra: Any,
 ) -> dict[str, Any]:
     return {
-        "workload": name,
+        "workload": workload,
         "system": system,
+        "round": rnd,
         "jobs": jobs,
         "failed": failed,
         "wall_s": wall,
         "jobs_per_s": jobs / wall,
-        "out_tok_per_s": out_tokens / wall,
-        "out_tokens": out_tokens,
+        "generated_tokens": generated,
+        "out_tok_per_s": generated / wall,
         "prompt_tokens": prompt_tokens,
         "ttft_p50_s": pct(ttft, 50),
         "ttft_p99_s": pct(ttft, 99),
-        "gpu_mem_mib": mem,
         **extra,
     }
 
 
-# ---------------------------------------------------------------------------------- raw
-def run_raw(a: argparse.Namespace) -> list[dict[str, Any]]:
-    from vllm import LLM
+# ---------------------------------------------------------------------- the raw engines
+class RawEngines:
+    """vLLM's offline ``LLM`` and online ``AsyncLLM`` in one process, built with a worker's
+    engine arguments, serving the driver's ``RUN`` lines on stdin."""
 
-    from worker.prompts import build_messages
-    from worker.runner import sampling_params
+    def __init__(self, a: argparse.Namespace, loads: dict[str, list[dict[str, Any]]]) -> None:
+        from vllm import LLM
 
-    from . import engine_setup
+        from . import engine_setup
 
-    loads = build(a.model, a.scale, a.workloads)
-    t0 = time.perf_counter()
-    kwargs, _env, plan = engine_setup(settings_for(a), a.model)  # built in this process
-    llm = LLM(**kwargs, disable_log_stats=False)
-    start_s = time.perf_counter() - t0
-    rows = []
-
-    def go(name: str, jobs: list[dict[str, Any]], constrained: bool = True) -> None:
-        models = [_jobs.validate_python(j) for j in jobs]
-        msgs = [build_messages(m, _S) for m in models]
-        params = [sampling_params(m, m.max_tokens or 256) for m in models]
-        if not constrained:  # identical prompts (schema text included), no guided decoding
-            for p in params:
-                p.structured_outputs = None
-        with MemorySampler() as mem:
+        self.a, self.settings = a, settings_for(a)
+        self.loads = loads
+        kwargs, _env, self.plan = engine_setup(self.settings, a.model)
+        self.llm: Any = None
+        self.engine: Any = None
+        self.llm_start_s = self.async_start_s = 0.0
+        if "raw LLM.chat" in a.systems:
             t = time.perf_counter()
-            outs = llm.chat(msgs, params, use_tqdm=False)
-            wall = time.perf_counter() - t
+            self.llm = LLM(**kwargs)
+            self.llm_start_s = time.perf_counter() - t
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        if "raw AsyncLLM" in a.systems:
+            t = time.perf_counter()
+            self.engine = self._call(self._build_async(kwargs))
+            self.async_start_s = time.perf_counter() - t
+        from transformers import AutoTokenizer
+
+        from worker.prompts import PromptTokenizer
+
+        self.prompts = PromptTokenizer(AutoTokenizer.from_pretrained(a.model), "raw")
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def _build_async(self, kwargs: dict[str, Any]) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # as the worker builds its own (worker/engine.py): the offline usage context's defaults
+        return AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS
+        )
+
+    def prepared(self, jobs: list[dict[str, Any]]) -> list[tuple[Any, Any, list[int], int]]:
+        """(job, messages, prompt ids, max_tokens) per job, built by the worker's own code."""
+        from worker.prompts import build_messages
+        from worker.runner import fit_input
+
+        s, out = self.settings, []
+        for j in jobs:
+            job = _jobs.validate_python(j)
+            want = job.max_tokens or s.default_max_tokens(job.type)
+            job, _cut, known = fit_input(job, self.prompts, s, want)
+            messages = build_messages(job, s)
+            ids = self.prompts.chat_prompt(messages, known)
+            out.append((job, messages, ids, min(want, s.max_model_len - len(ids))))
+        return out
+
+    def run(self, system: str, name: str, rnd: int) -> dict[str, Any]:
+        jobs = warmup(self.a.scale) if name == "warmup" else self.loads[name]
+        prep = self.prepared(jobs)
+        if system == "raw LLM.chat":
+            return self._offline(name, rnd, prep)
+        return self._online(name, rnd, prep)
+
+    def _offline(self, name: str, rnd: int, prep: list) -> dict[str, Any]:
+        from worker.runner import _wants_json, sampling_params
+
+        t = time.perf_counter()
+        outs = self.llm.chat(
+            [m for _, m, _, _ in prep],
+            [sampling_params(j, n) for j, _, _, n in prep],
+            use_tqdm=False,
+        )
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        again = [
+            (k, min(2 * n, self.settings.max_model_len - len(outs[k].prompt_token_ids or ids)))
+            for k, (j, _, ids, n) in enumerate(prep)
+            if _wants_json(j)
+            and outs[k].outputs[0].finish_reason == "length"
+            and self.settings.max_model_len - len(outs[k].prompt_token_ids or ids) > n
+        ]
+        if again:  # the worker's retry of a cut-off JSON answer, as one more offline call
+            more = self.llm.chat(
+                [prep[k][1] for k, _ in again],
+                [sampling_params(prep[k][0], n) for k, n in again],
+                use_tqdm=False,
+            )
+            generated += sum(len(o.outputs[0].token_ids) for o in more)
+        wall = time.perf_counter() - t
         ttft = [
             o.metrics.first_token_latency
             for o in outs
-            if getattr(o, "metrics", None) is not None and o.metrics.first_token_latency
+            if getattr(o, "metrics", None) is not None
+            and getattr(o.metrics, "first_token_latency", None)
         ]
-        rows.append(
-            summarize(
-                name if constrained else f"{name}-unconstrained",
-                "raw vLLM",
-                wall,
-                len(outs),
-                sum(len(o.outputs[0].token_ids) for o in outs),
-                sum(len(o.prompt_token_ids or []) for o in outs),
-                ttft,
-                mem.peak,
-                engine_start_s=start_s,
-            )
+        return row(
+            name,
+            "raw LLM.chat",
+            rnd,
+            wall,
+            len(outs),
+            generated,
+            sum(len(o.prompt_token_ids or []) for o in outs),
+            ttft,
+            retried=len(again),
         )
-        print(json.dumps(rows[-1]), flush=True)
 
-    go("warmup", warmup(a))
-    rows.pop()
-    for name, jobs in loads.items():
-        go(name, jobs)
-        if name == "json":
-            go(name, jobs, constrained=False)
-    return rows
+    def _online(self, name: str, rnd: int, prep: list) -> dict[str, Any]:
+        from worker.engine import _first_token_at
+        from worker.runner import _wants_json, sampling_params
+
+        room = self.settings.max_model_len
+
+        async def one(job: Any, ids: list[int], n: int, t0: float) -> tuple[int, float | None, int]:
+            tokens, retried = 0, 0
+            first = None
+            for attempt in (0, 1):
+                final = None
+                async for out in self.engine.generate(
+                    {"prompt_token_ids": ids}, sampling_params(job, n), uuid.uuid4().hex
+                ):
+                    final = out
+                assert final is not None
+                tokens += len(final.outputs[0].token_ids)
+                at = _first_token_at(final)
+                first = first if first is not None or at is None else at - t0
+                cut = final.outputs[0].finish_reason == "length"
+                if attempt or not (_wants_json(job) and cut and room - len(ids) > n):
+                    break
+                n, retried = min(2 * n, room - len(ids)), 1
+            return tokens, first, retried
+
+        async def everything(t0: float) -> list[tuple[int, float | None, int]]:
+            return await asyncio.gather(*(one(j, ids, n, t0) for j, _, ids, n in prep))
+
+        t = time.perf_counter()
+        res = self._call(everything(time.time()))
+        wall = time.perf_counter() - t
+        return row(
+            name,
+            "raw AsyncLLM",
+            rnd,
+            wall,
+            len(res),
+            sum(r[0] for r in res),
+            sum(len(ids) for _, _, ids, _ in prep),
+            [r[1] for r in res if r[1]],
+            retried=sum(r[2] for r in res),
+        )
+
+
+def serve_raw(a: argparse.Namespace) -> None:
+    """The raw child: build both engines, say READY, then one ROW line per RUN line."""
+    loads = json.loads(Path(a.out, "workloads.json").read_text())
+    raw = RawEngines(a, loads)
+    starts = {
+        "llm_start_s": raw.llm_start_s,
+        "async_start_s": raw.async_start_s,
+        "plan": raw.plan.as_dict(),
+    }
+    print("READY " + json.dumps(starts), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "QUIT":
+            break
+        _, system, name, rnd = line.rstrip("\n").split("\t")
+        print("ROW " + json.dumps(raw.run(system, name, int(rnd))), flush=True)
+    if raw.engine is not None:
+        raw.engine.shutdown()
+
+
+class RawChild:
+    """The driver's handle on ``serve_raw``."""
+
+    def __init__(self, a: argparse.Namespace, env: dict[str, str]) -> None:
+        argv = [sys.executable, "-m", "benchmarks.gpu_suite", *sys.argv[1:], "--serve-raw"]
+        env = dict(env, VLLM_LOGGING_STREAM="ext://sys.stderr")  # stdout carries the rows
+        self.log = open(Path(a.out) / "raw.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
+        self.info = json.loads(self._expect("READY"))
+
+    def _expect(self, tag: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(tag + " "):
+                return line[len(tag) + 1 :]
+            self.log.write(line)
+        raise RuntimeError(f"the raw engines' process ended (exit {self.proc.wait()}); raw.log")
+
+    def run(self, system: str, name: str, rnd: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"RUN\t{system}\t{name}\t{rnd}\n")
+        self.proc.stdin.flush()
+        r: dict[str, Any] = json.loads(self._expect("ROW"))
+        return r
+
+    def close(self) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("QUIT\n")
+            self.proc.stdin.close()
+            self.proc.wait(120)
+        except Exception:  # noqa: BLE001
+            self.proc.kill()
+        self.log.close()
 
 
 # ------------------------------------------------------------------------------- vqueue
-def run_vqueue(a: argparse.Namespace) -> list[dict[str, Any]]:
-    import redis
+class Vqueue:
+    """A worker on the same GPU, and the producer that feeds it."""
 
-    from producer import Client
+    def __init__(self, a: argparse.Namespace, env: dict[str, str]) -> None:
+        from producer import Client
 
-    url = a.redis
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    loads = build(a.model, a.scale, a.workloads)
-    env = dict(
-        plugin_env(),
-        VQUEUE_BROKER_URL=url,
-        VQUEUE_QUEUE="bench",
-        VQUEUE_MODEL=a.model,
-        VQUEUE_MAX_MODEL_LEN=str(a.max_model_len),
-        VQUEUE_HEARTBEAT_S="1",
-        VQUEUE_GPU_MEMORY_UTILIZATION=str(a.gpu_memory_utilization),
-    )
-    if a.kv_cache_bytes:
-        env["VQUEUE_KV_CACHE_MEMORY_BYTES"] = str(a.kv_cache_bytes)
-    if a.profile:  # the real engine plus a sampling profiler thread (benchmarks/profiled_engine.py)
-        env["VQUEUE_ENGINE_CLASS"] = "benchmarks.profiled_engine:ProfiledEngine"
-        env["VQUEUE_BENCH_PROFILE"] = str(Path(a.out) / "worker-profile.txt")
-    log = open(Path(a.out) / "vqueue-worker.log", "w")  # noqa: SIM115
-    argv = [sys.executable, "-m", "producer.cli", "worker", "-n", "bench@gpu", "-l", "WARNING"]
-    if shutil.which("nvidia-smi"):
-        argv += ["--gpus", "0"]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    rows: list[dict[str, Any]] = []
-    try:
-        while not r.exists("vqueue:worker:bench@gpu"):
-            if proc.poll() is not None or time.perf_counter() - t0 > a.start_timeout:
-                raise RuntimeError(
-                    f"worker did not start (exit {proc.poll()}); see vqueue-worker.log"
-                )
-            time.sleep(0.5)
-        start_s = time.perf_counter() - t0
-        client = Client(Settings(_env_file=None, broker_url=url, queue="bench"))
-
-        def go(name: str, jobs: list[dict[str, Any]]) -> None:
-            with MemorySampler() as mem:
-                t = time.perf_counter()
-                batch = client.submit_many(jobs)
-                submit_s = time.perf_counter() - t
-                res = list(batch.results(timeout=a.timeout))
-                wall = time.perf_counter() - t
-            done = [x for x in res if x.status == "completed"]
-            ttft = [
-                x.timings.first_token_at - x.timings.enqueued_at
-                for x in done
-                if x.timings.first_token_at
-            ]
-            wait = [(x.timings.started_at or 0) - x.timings.enqueued_at for x in done]
-            rows.append(
-                summarize(
-                    name,
-                    "vqueue",
-                    wall,
-                    len(res),
-                    sum(x.usage.completion_tokens for x in res),
-                    sum(x.usage.prompt_tokens for x in res),
-                    ttft,
-                    mem.peak,
-                    failed=len(res) - len(done),
-                    engine_start_s=start_s,
-                    submit_s=submit_s,
-                    queue_wait_p50_s=pct(wait, 50),
-                    errors=sorted({x.error.type for x in res if x.error}),
-                )
+        run = uuid.uuid4().hex[:8]
+        env = dict(
+            env,
+            VQUEUE_BROKER_URL=a.redis,
+            VQUEUE_QUEUE=f"bench-{run}",
+            VQUEUE_KEY_PREFIX=f"bench-{run}",
+            VQUEUE_MODEL=a.model,
+            VQUEUE_MAX_MODEL_LEN=str(a.max_model_len),
+            VQUEUE_HEARTBEAT_S="1",
+            VQUEUE_GPU_MEMORY_UTILIZATION=str(a.gpu_memory_utilization),
+            VQUEUE_LOAD_FORMAT=a.load_format,
+        )
+        if a.kv_cache_bytes:
+            env["VQUEUE_KV_CACHE_MEMORY_BYTES"] = str(a.kv_cache_bytes)
+        if a.profile:  # the real engine plus a sampling profiler thread (profiled_engine.py)
+            env["VQUEUE_ENGINE_CLASS"] = "benchmarks.profiled_engine:ProfiledEngine"
+            env["VQUEUE_BENCH_PROFILE"] = str(Path(a.out) / "worker-profile.txt")
+        self.proc, self.log, self.start_s = launch_worker(
+            f"bench-{run}@gpu", env, Path(a.out) / "vqueue-worker.log", a.redis, "-l", "WARNING"
+        )
+        self.client = Client(
+            Settings(
+                _env_file=None,
+                broker_url=a.redis,
+                queue=env["VQUEUE_QUEUE"],
+                key_prefix=env["VQUEUE_KEY_PREFIX"],
             )
-            print(json.dumps(rows[-1]), flush=True)
-
-        go("warmup", warmup(a))
-        rows.pop()
-        for name, jobs in loads.items():
-            go(name, jobs)
-    finally:
-        stop(proc, log, 120)
-    return rows
-
-
-# ----------------------------------------------------------------------------------- hf
-def run_hf(a: argparse.Namespace) -> list[dict[str, Any]]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from worker.prompts import build_messages
-
-    cuda = torch.cuda.is_available()
-    tok = AutoTokenizer.from_pretrained(a.model)
-    model = AutoModelForCausalLM.from_pretrained(
-        a.model, dtype=torch.float16 if cuda else torch.float32
-    )
-    model = model.to("cuda" if cuda else "cpu").eval()
-    sample = [j for j in build(a.model, a.scale, ["mixed"])["mixed"] if j["type"] != "extract"]
-    sample = sample[: a.hf_jobs]
-    ttft: list[float] = []
-    out_tokens = prompt_tokens = 0
-    t = time.perf_counter()
-    for j in sample:
-        job = _jobs.validate_python(j)
-        text = tok.apply_chat_template(
-            build_messages(job, _S), add_generation_prompt=True, tokenize=False
         )
-        enc = tok(text, return_tensors="pt", add_special_tokens=False).to(model.device)
-        n = job.max_tokens or 128
-        with torch.no_grad():
-            t1 = time.perf_counter()
-            model.generate(**enc, max_new_tokens=1, do_sample=False)
-            ttft.append(time.perf_counter() - t1)
-            out = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        out_tokens += out.shape[1] - enc["input_ids"].shape[1]
-        prompt_tokens += enc["input_ids"].shape[1]
-    wall = time.perf_counter() - t - sum(ttft)  # the first-token probes are not part of the loop
-    mem = int(torch.cuda.max_memory_allocated() / 2**20) if cuda else None
-    row = summarize(
-        "mixed",
-        "Transformers generate",
-        wall,
-        len(sample),
-        out_tokens,
-        prompt_tokens,
-        ttft,
-        mem,
-        note="batch 1, fp16, sample of the mixed workload",
-    )
-    print(json.dumps(row), flush=True)
-    return [row]
+        self.a = a
 
-
-# ------------------------------------------------------------------------------- server
-def run_server(a: argparse.Namespace) -> list[dict[str, Any]]:
-    """vLLM's OpenAI-compatible server under a concurrent streaming client (mixed workload)."""
-    import asyncio
-    import urllib.request
-
-    import aiohttp
-
-    from worker.prompts import build_messages
-
-    port = 8011
-    so = json.dumps({"backend": "guidance", "disable_any_whitespace": True})
-    argv = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        a.model,
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(a.max_model_len),
-        "--gpu-memory-utilization",
-        str(a.gpu_memory_utilization),
-        "--structured-outputs-config",
-        so,
-        "--enable-prefix-caching",
-    ]
-    if a.kv_cache_bytes:
-        argv += ["--kv-cache-memory-bytes", str(a.kv_cache_bytes)]
-    log = open(Path(a.out) / "server.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    t0 = time.perf_counter()
-    try:
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None or time.perf_counter() - t0 > a.start_timeout:
-                    raise RuntimeError("server did not start; see server.log") from None
-                time.sleep(1)
-        start_s = time.perf_counter() - t0
-        jobs = [_jobs.validate_python(j) for j in build(a.model, a.scale, ["mixed"])["mixed"]]
-
-        def body(job: Any) -> dict[str, Any]:
-            b: dict[str, Any] = {
-                "model": a.model,
-                "messages": build_messages(job, _S),
-                "max_tokens": job.max_tokens,
-                "temperature": job.temperature,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            if job.ignore_eos:
-                b.update(ignore_eos=True, min_tokens=job.min_tokens)
-            if getattr(job, "json_schema", None):
-                b["response_format"] = {
-                    "type": "json_schema",
-                    "json_schema": {"name": "out", "schema": job.json_schema},
-                }
-            return b
-
-        async def one(session: Any, sem: Any, job: Any, out: list) -> None:
-            async with sem:
-                t = time.perf_counter()
-                first, tokens = None, 0
-                async with session.post(
-                    f"http://127.0.0.1:{port}/v1/chat/completions", json=body(job)
-                ) as resp:
-                    async for raw in resp.content:
-                        line = raw.decode().strip()
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        if first is None and chunk.get("choices"):
-                            first = time.perf_counter() - t
-                        if chunk.get("usage"):
-                            tokens = chunk["usage"]["completion_tokens"]
-                out.append((first, tokens, resp.status))
-
-        async def drive(batch: list[Any]) -> tuple[float, list]:
-            out: list = []
-            sem = asyncio.Semaphore(512)
-            timeout = aiohttp.ClientTimeout(total=None)
-            async with aiohttp.ClientSession(timeout=timeout) as session:
-                t = time.perf_counter()
-                await asyncio.gather(*(one(session, sem, j, out) for j in batch))
-                return time.perf_counter() - t, out
-
-        asyncio.run(drive([_jobs.validate_python(j) for j in warmup(a)]))
-        with MemorySampler() as mem:
-            wall, out = asyncio.run(drive(jobs))
-        row = summarize(
-            "mixed",
-            "vLLM OpenAI server",
+    def run(self, name: str, jobs: list[dict[str, Any]], rnd: int) -> dict[str, Any]:
+        t, t_wall0 = time.perf_counter(), time.time()
+        batch = self.client.submit_many(jobs)
+        submit_s = time.perf_counter() - t
+        res = list(batch.results(timeout=self.a.timeout))
+        wall = time.perf_counter() - t
+        done = [x for x in res if x.status == "completed"]
+        ttft = [
+            x.timings.first_token_at - x.timings.enqueued_at
+            for x in res
+            if x.timings.first_token_at
+        ]
+        wait = [(x.timings.started_at or 0) - x.timings.enqueued_at for x in res]
+        # where a job's time went: queued in Redis, from its start to its first token (prompt
+        # building, waiting in the engine, prefill), then generating; and the batch's tail
+        tm = [x.timings for x in res if x.timings.first_token_at and x.timings.started_at]
+        parts = {
+            "to_first_token_p50_s": pct([t.first_token_at - t.started_at for t in tm], 50),
+            "generating_p50_s": pct([(t.finished_at or 0) - t.first_token_at for t in tm], 50),
+            "last_result_s": max((x.timings.finished_at or 0) for x in res) - t_wall0,
+            "first_start_s": min((x.timings.started_at or 1e18) for x in res) - t_wall0,
+        }
+        generated = sum(x.usage.completion_tokens + x.usage.wasted_tokens for x in res)
+        return row(
+            name,
+            "vqueue",
+            rnd,
             wall,
-            len(out),
-            sum(x[1] for x in out),
-            0,
-            [x[0] for x in out if x[0] is not None],
-            mem.peak,
-            failed=sum(1 for x in out if x[2] != 200),
-            engine_start_s=start_s,
-            note="streaming client, 512 concurrent requests",
+            len(res),
+            generated,
+            sum(x.usage.prompt_tokens for x in res),
+            ttft,
+            failed=len(res) - len(done),
+            submit_s=submit_s,
+            queue_wait_p50_s=pct(wait, 50),
+            retried=sum(1 for x in res if x.usage.wasted_tokens),
+            errors=sorted({x.error.type for x in res if x.error}),
+            **parts,
         )
-        print(json.dumps(row), flush=True)
-        return [row]
-    finally:
-        stop(proc, log, 60)
+
+    def close(self) -> None:
+        stop(self.proc, self.log, 120)
 
 
 # ------------------------------------------------------------------------------- report
-def report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> str:
-    raw = {r["workload"]: r for r in rows if r["system"] == "raw vLLM"}
-    lines = [
-        "| workload | system | jobs | failed | wall s | jobs/s | output tok/s | TTFT p50 s | "
-        "TTFT p99 s | vs raw vLLM | queue overhead ms/job | peak GPU MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Per workload and system: medians over rounds; vqueue's ratio to the better raw row per
+    round (median), and the equal-work check. Returns the summary rows and the failed checks."""
+    problems: list[str] = []
     for r in rows:
-        base = raw.get(r["workload"])
-        ratio = overhead = "-"
-        if base and r["system"] == "vqueue":
-            ratio = f"{r['jobs_per_s'] / base['jobs_per_s']:.1%}"
-            overhead = f"{1000 * (r['wall_s'] - base['wall_s']) / r['jobs']:.2f}"
-            r["ratio_vs_raw"] = r["jobs_per_s"] / base["jobs_per_s"]
-
-        def f(x: Any, fmt: str = ".2f") -> str:
-            return "-" if x is None else format(x, fmt)
-
-        lines.append(
-            f"| {r['workload']} | {r['system']} | {r['jobs']} | {r.get('failed', 0)} | "
-            f"{f(r['wall_s'])} | {f(r['jobs_per_s'], '.1f')} | {f(r['out_tok_per_s'], ',.0f')} | "
-            f"{f(r['ttft_p50_s'])} | {f(r['ttft_p99_s'])} | {ratio} | {overhead} | "
-            f"{f(r['gpu_mem_mib'], 'd') if r['gpu_mem_mib'] else '-'} |"
-        )
-    table = "\n".join(lines)
-    (out / "suite.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    (out / "suite.md").write_text(table + "\n")
-    try:
-        plot(rows, out / "suite.png")
-    except Exception as exc:  # a plot is nice to have; the table is the result
-        print(f"no plot: {exc}", file=sys.stderr)
-    return table
-
-
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(r["workload"] for r in rows))
-    systems = list(dict.fromkeys(r["system"] for r in rows))
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    w = 0.8 / len(systems)
-    for i, s in enumerate(systems):
-        vals = [
-            next((r["out_tok_per_s"] for r in rows if r["workload"] == n and r["system"] == s), 0)
-            for n in names
+        if r["system"] != "vqueue":
+            continue
+        raws = [
+            x
+            for x in rows
+            if x["workload"] == r["workload"] and x["round"] == r["round"] and x["system"] in RAW
         ]
-        ax.bar([k + i * w for k in range(len(names))], vals, w, label=s)
-    ax.set_xticks([k + w * (len(systems) - 1) / 2 for k in range(len(names))], names)
-    ax.set_ylabel("output tokens / s")
-    ax.set_yscale("log")
-    ax.set_title("vqueue end to end vs raw vLLM vs Transformers (one GPU)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        if not raws:
+            continue
+        best = max(raws, key=lambda x: x["jobs_per_s"])
+        r["ratio_vs_raw"] = r["jobs_per_s"] / best["jobs_per_s"]
+        r["best_raw"] = best["system"]
+        for x in raws:
+            off = abs(r["generated_tokens"] - x["generated_tokens"]) / max(x["generated_tokens"], 1)
+            r.setdefault("token_gap", {})[x["system"]] = off
+            if off > 0.01:
+                problems.append(
+                    f"{r['workload']} round {r['round']}: vqueue generated "
+                    f"{r['generated_tokens']} tokens, {x['system']} "
+                    f"{x['generated_tokens']} ({off:.1%} apart)"
+                )
+    out = []
+    for w in dict.fromkeys(r["workload"] for r in rows):
+        for s in SYSTEMS:
+            rs = [r for r in rows if r["workload"] == w and r["system"] == s]
+            if not rs:
+                continue
+            med = {
+                k: statistics.median(r[k] for r in rs)
+                for k in ("jobs_per_s", "out_tok_per_s", "wall_s", "generated_tokens")
+            }
+            summary = {
+                "workload": w,
+                "system": s,
+                "rounds": len(rs),
+                "jobs": rs[0]["jobs"],
+                "failed": max(r["failed"] for r in rs),
+                **med,
+                "ttft_p50_s": _median(r["ttft_p50_s"] for r in rs),
+                "ttft_p99_s": _median(r["ttft_p99_s"] for r in rs),
+            }
+            if s == "vqueue" and any("ratio_vs_raw" in r for r in rs):
+                summary["ratio_vs_raw"] = statistics.median(
+                    r["ratio_vs_raw"] for r in rs if "ratio_vs_raw" in r
+                )
+                summary["ratio_min"] = min(r["ratio_vs_raw"] for r in rs if "ratio_vs_raw" in r)
+                summary["queue_wait_p50_s"] = statistics.median(
+                    r.get("queue_wait_p50_s") or 0 for r in rs
+                )
+            out.append(summary)
+    return out, problems
+
+
+def _median(xs: Any) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def table(summary: list[dict[str, Any]]) -> str:
+    def f(x: Any, fmt: str = ".2f") -> str:
+        return "-" if x is None else format(x, fmt)
+
+    lines = [
+        "| workload | system | jobs | rounds | jobs/s | output tok/s | generated tokens | "
+        "TTFT p50 s | vs best raw (median, min) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        ratio = "-"
+        if "ratio_vs_raw" in s:
+            ratio = f"**{s['ratio_vs_raw']:.1%}** ({s['ratio_min']:.1%})"
+        lines.append(
+            f"| {s['workload']} | {s['system']} | {s['jobs']} | {s['rounds']} | "
+            f"{f(s['jobs_per_s'], '.1f')} | {f(s['out_tok_per_s'], ',.0f')} | "
+            f"{s['generated_tokens']:,.0f} | {f(s['ttft_p50_s'])} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def write(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    summary, problems = summarize(rows)
+    doc = {"meta": meta, "summary": summary, "rows": rows, "equal_work_failures": problems}
+    (out / "suite.json").write_text(json.dumps(doc, indent=2))
+    text = table(summary)
+    (out / "suite.md").write_text(text + "\n")
+    return text, problems
 
 
 # --------------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=["all", "raw", "vqueue", "hf", "server", "report"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply job counts")
-    ap.add_argument("--workloads", default="mixed,prefix,long,json")
-    ap.add_argument("--systems", default="raw,vqueue,hf")
-    ap.add_argument("--max-model-len", type=int, default=10240)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--kv-cache-bytes", type=int, default=0)
+    ap.add_argument("--workloads", default="mixed,prefix,long,long32k,json")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="a subset of: " + ", ".join(SYSTEMS) + " (vqueue is always compared to the raw "
+        "rows run)",
+    )
+    ap.add_argument("--max-model-len", type=int, default=40960)
+    ap.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.28,
+        help="low enough for three engines; the KV cache is --kv-cache-bytes",
+    )
+    ap.add_argument("--kv-cache-bytes", type=int, default=24 * 1024**3)
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights, no files")
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
-    ap.add_argument("--hf-jobs", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--start-timeout", type=float, default=400)
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=0,
+        help="start no round that would end past this many seconds (0: no limit)",
+    )
     ap.add_argument(
         "--profile", action="store_true", help="sample the worker's stacks (worker-profile.txt)"
     )
+    ap.add_argument("--serve-raw", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.workloads = a.workloads.split(",")
+    a.systems = [x.strip() for x in a.systems.split(",")]
+    if unknown := set(a.systems) - set(SYSTEMS):
+        ap.error(f"unknown systems: {sorted(unknown)}")
+    # Qwen2.5's config says 32K positions; the long32k prompts with their answer need more
+    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     out = Path(a.out)
+    if a.serve_raw:
+        return serve_raw(a)
+    began = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    step = {"raw": run_raw, "vqueue": run_vqueue, "hf": run_hf, "server": run_server}
-    if a.step not in ("all", "report"):
-        rows = step[a.step](a)
-        (out / f"{a.step}.json").write_text(json.dumps(rows, indent=2))
-        return
-    rows: list[dict[str, Any]] = []
-    for s in a.systems.split(",") if a.step == "all" else []:
-        t = time.perf_counter()
-        cmd = [sys.executable, "-m", "benchmarks.gpu_suite", s, *sys.argv[2:]]
-        done = subprocess.run(cmd, cwd=ROOT)
-        print(f"== {s}: exit {done.returncode} in {time.perf_counter() - t:.0f}s", flush=True)
-    # the table gathers every step's JSON in --out, so steps run in separate calls merge too
-    for s in ("raw", "vqueue", "server", "hf"):
-        if (out / f"{s}.json").exists():
-            rows += json.loads((out / f"{s}.json").read_text())
-    meta = {
+    loads = build(a.model, a.scale, a.workloads)
+    (out / "workloads.json").write_text(json.dumps(loads))
+    meta: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python -m benchmarks.gpu_suite " + " ".join(sys.argv[1:]),
         "gpu": subprocess.run(
@@ -585,14 +621,47 @@ def main() -> None:
         ).stdout.strip()
         if shutil.which("nvidia-smi")
         else "none (CPU)",
+        "workloads": {k: len(v) for k, v in loads.items()},
     }
+    env = plugin_env()
+    t = time.perf_counter()
+    raw = RawChild(a, env)  # one engine at a time: vLLM checks free memory as each one starts
+    meta.update(raw.info, raw_process_start_s=time.perf_counter() - t)
+    vq = None
+    rows: list[dict[str, Any]] = []
     try:
+        vq = Vqueue(a, env)
+        meta["vqueue_start_s"] = vq.start_s
         import vllm
 
         meta["vllm"] = vllm.__version__
-    except Exception:
-        pass
-    print(report(rows, meta, out))
+        systems = [s for s in SYSTEMS if s in a.systems]
+        for s in systems:  # CUDA graphs, grammars, allocators: warm on every system
+            _ = vq.run("warmup", warmup(a.scale), 0) if s == "vqueue" else raw.run(s, "warmup", 0)
+        round_s = 0.0
+        for rnd in range(1, a.rounds + 1):
+            if a.budget_s and time.perf_counter() - began + round_s > a.budget_s:
+                print(f"round {rnd} would end past --budget-s; stopping", flush=True)
+                break
+            t = time.perf_counter()
+            order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
+            for name, jobs in loads.items():
+                for s in order:
+                    r = vq.run(name, jobs, rnd) if s == "vqueue" else raw.run(s, name, rnd)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+            round_s = time.perf_counter() - t
+            meta["rounds_done"] = rnd
+            text, problems = write(out, meta, rows)
+    finally:
+        if vq is not None:
+            vq.close()
+        raw.close()
+    text, problems = write(out, meta, rows)
+    print(text)
+    for p in problems:
+        print(f"NOT EQUAL WORK: {p}", file=sys.stderr)
+    sys.exit(1 if problems or not rows else 0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,26 @@
+#!/bin/bash
+# The throughput suite on the lent H200, one device call per model shape (docs/benchmarks.md).
+# From the project root, after `source .gpu/b/env.sh` (../shared/gpu/README.md):
+#     bash benchmarks/gpu_suite.sh small   # Qwen2.5-0.5B shape: mixed, prefix, long, long32k, json
+#     bash benchmarks/gpu_suite.sh 7b      # Qwen2.5-7B shape (dummy weights): mixed, long
+# Results under $OUT (suite-*/suite.json, suite.md, the logs).
+# SYSTEMS picks a subset (LLM.chat, the slower raw path on every workload, costs a minute of
+# engine start and a third of each round): SYSTEMS="raw AsyncLLM,vqueue".
+set -u
+OUT=${OUT:-/tmp/out}
+SYSTEMS=${SYSTEMS:-raw LLM.chat,raw AsyncLLM,vqueue}
+mkdir -p "$OUT"
+redis-server --daemonize yes --port 6379 --save "" >/dev/null || true  # already running: fine
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$OUT/gpu-$1.txt" 2>&1
+case "$1" in
+small)
+  python3 -m benchmarks.gpu_suite --model /tmp/models/qwen05 --out "$OUT/suite-05b" \
+    --rounds 3 --scale "${SCALE:-0.6}" --budget-s "${BUDGET:-470}" --systems "$SYSTEMS" ;;
+7b)
+  python3 -m benchmarks.shapes qwen2.5-7b /tmp/models/qwen7b --tokenizer /tmp/models/qwen25-tokenizer
+  python3 -m benchmarks.gpu_suite --model /tmp/models/qwen7b --load-format dummy \
+    --workloads mixed,long --max-model-len 10240 --kv-cache-bytes $((20 * 1024 ** 3)) \
+    --out "$OUT/suite-7b" --rounds 3 --scale "${SCALE:-0.3}" --budget-s "${BUDGET:-480}" \
+    --systems "$SYSTEMS" ;;
+*) echo "usage: $0 small|7b" >&2; exit 2 ;;
+esac
