@@ -41,6 +41,7 @@ class StubEngine:
         timeout_s: Any = None,
         prefix_key: Any = None,
         monitor: Any = None,
+        priority: int = 0,
     ) -> Generation:
         with self._lock:
             self.jobs_done += 1

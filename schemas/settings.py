@@ -48,6 +48,10 @@ class Settings(BaseSettings):
     # except the A100, 256 elsewhere and on CPUs
     max_num_seqs: int | None = Field(default=None, ge=1)
     max_num_batched_tokens: int | None = None
+    # the order vLLM's scheduler admits waiting requests in: "priority" by the job's priority
+    # (9 first), then arrival; "fcfs" by arrival alone. Under KV-cache pressure "priority" also
+    # preempts the lowest-priority running request (its tokens are recomputed later)
+    scheduling_policy: Literal["priority", "fcfs"] = "priority"
     # how vLLM loads weights; "dummy" makes random ones from the config alone, which is how the
     # GPU benchmarks run a 7B-shaped model without its files (never for real work)
     load_format: Literal["auto", "dummy"] = "auto"

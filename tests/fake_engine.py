@@ -54,6 +54,7 @@ class FakeEngine(StubEngine):
         timeout_s: Any = None,
         prefix_key: Any = None,
         monitor: Any = None,
+        priority: int = 0,
     ) -> Generation:
         with self._lock:
             self.in_flight += 1

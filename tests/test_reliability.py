@@ -527,7 +527,9 @@ def test_the_job_timeout_covers_the_json_retry() -> None:
         def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
             return [1] * 20
 
-        def generate(self, prompt: list[int], params: Any, timeout_s: float, *_: Any) -> Any:
+        def generate(
+            self, prompt: list[int], params: Any, timeout_s: float, *_: Any, **__: Any
+        ) -> Any:
             limits.append(timeout_s)
             if timeout_s < 0.8:
                 time.sleep(timeout_s)

@@ -155,10 +155,13 @@ class EngineHost:
         timeout_s: float | None = None,
         prefix_key: str | None = None,
         monitor: Monitor | None = None,
+        priority: int = 0,
     ) -> Generation:
         """Run one request to completion; blocks the calling (task) thread, not the engine.
         With ``monitor`` (and the monitor loaded), the engine watches its confidence and, if
-        ``monitor.abort``, stops it the step the rule holds (``Generation.aborted``)."""
+        ``monitor.abort``, stops it the step the rule holds (``Generation.aborted``).
+        ``priority``: the job's, 0-9, higher first; vLLM's scheduler admits waiting requests in
+        that order under ``scheduling_policy=priority`` (vLLM's own scale runs lower first)."""
         started = time.monotonic()
         limit = min(timeout_s or self.settings.job_timeout_s, self.settings.job_timeout_s)
         first_of_group = self._gate(prefix_key, limit)
@@ -178,7 +181,8 @@ class EngineHost:
             params.stop_token_ids = [*(params.stop_token_ids or []), self.marker]
         elif monitor is not None and self.plan is not None and self.plan.monitor == "logprobs":
             rule = LogprobRule(monitor)
-        coro = self._generate(prompt_ids, params, first_of_group, slot, rule)
+        order = 9 - priority if self.settings.scheduling_policy == "priority" else 0
+        coro = self._generate(prompt_ids, params, first_of_group, slot, rule, order)
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout=limit)
@@ -215,6 +219,7 @@ class EngineHost:
         leader: threading.Event | None = None,
         slot: int | None = None,
         rule: LogprobRule | None = None,
+        priority: int = 0,
     ) -> Generation:
         """One request to its end. ``slot``: the in-engine monitor watches it and reports to
         the board. ``rule``: the fallback early stop (no monitor for this vLLM): the request
@@ -237,7 +242,7 @@ class EngineHost:
         aborted = False
         try:
             async for out in self.engine.generate(
-                {"prompt_token_ids": prompt_ids}, params, request_id
+                {"prompt_token_ids": prompt_ids}, params, request_id, priority=priority
             ):
                 final = out
                 if leader is not None and not leader.is_set():
@@ -309,6 +314,7 @@ def engine_kwargs(s: Settings, model_path: str) -> dict[str, Any]:
         tensor_parallel_size=s.tensor_parallel_size,
         enforce_eager=s.enforce_eager if s.enforce_eager is not None else not cuda,
         enable_prefix_caching=s.enable_prefix_caching,
+        scheduling_policy=s.scheduling_policy,
         seed=s.seed,
         gpu_memory_utilization=s.gpu_memory_utilization,
         # Small models pad guided JSON with whitespace until max_tokens; forbid it engine-wide

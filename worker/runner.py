@@ -178,7 +178,7 @@ def generate(
     policy = early_stop_policy(job, settings)
     if policy is None:
         params = sampling_params(job, max_tokens, grammar=grammar)
-        return engine.generate(prompt, params, _left(deadline), prefix_key)
+        return engine.generate(prompt, params, _left(deadline), prefix_key, priority=job.priority)
     last = policy.max_retries
     for k in range(last + 1):
         temperature, seed = retry_sampling(job, policy, k)
@@ -187,7 +187,8 @@ def generate(
         monitor = Monitor(policy.threshold, policy.window, grace, abort=k < last)
         params = sampling_params(job, max_tokens, temperature, seed, grammar)
         left = _left(deadline)
-        gen = engine.generate(prompt, params, left, prefix_key if k == 0 else None, monitor)
+        key = prefix_key if k == 0 else None
+        gen = engine.generate(prompt, params, left, key, monitor, priority=job.priority)
         reading = gen.confidence
         result.attempts.append(
             Attempt(

@@ -1,0 +1,62 @@
+"""A job's priority reaches vLLM's scheduler: an urgent job overtakes bulk jobs already waiting
+inside the engine, not only those still in Redis (real worker, real engine, small model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+
+from producer import Client
+
+from .conftest import RUN, Procs, make_settings, wait_for
+
+pytestmark = pytest.mark.engine
+
+Q = f"vqtest-{RUN}-prio"
+SEQS = 2  # sequences the engine runs at once; the worker holds four times as many
+
+
+def _bulk(i: int) -> dict[str, object]:
+    return {"id": f"bulk{i}", "type": "summarize", "priority": 0,
+            "text": f"Report {i}: the quarterly numbers came in above plan in every region.",
+            "max_tokens": 48, "min_tokens": 48, "ignore_eos": True}  # fmt: skip
+
+
+def test_an_urgent_job_starts_before_the_bulk_jobs_waiting_in_the_engine(
+    procs: Procs, redis_client: redis.Redis
+) -> None:
+    # Given one worker whose engine runs 2 sequences a step and which holds 8 jobs, saturated by
+    # a batch of 30 bulk jobs at priority 0: 2 generating, 6 waiting in the engine, 22 in Redis
+    w = procs.worker("prio", Q, VQUEUE_MAX_NUM_SEQS=str(SEQS), VQUEUE_CONCURRENCY=str(4 * SEQS))
+    w.wait_ready(redis_client)
+    client = Client(make_settings(Q))
+    bulk = client.submit_many([_bulk(i) for i in range(30)])
+
+    def saturated() -> bool:
+        beat = redis_client.get(w.heartbeat_key())
+        return bool(beat) and json.loads(beat)["in_flight"] >= 4 * SEQS
+
+    wait_for(saturated, 120, "the worker to hold 8 jobs")
+
+    # When a priority-9 job is submitted behind them
+    urgent = client.submit({"id": "urgent", "type": "summarize", "priority": 9,
+                            "text": "Outage: the payment service is down in one region.",
+                            "max_tokens": 16})  # fmt: skip
+    u = urgent.result("urgent", timeout=300)
+    done = list(bulk.results(timeout=600))
+
+    # Then it got its first token before the bulk jobs that had none when it arrived, but for at
+    # most the engine's 2 slots that freed while it was still on its way in from Redis ...
+    assert u.status == "completed" and u.timings.first_token_at, u
+    came, first = u.timings.enqueued_at, u.timings.first_token_at
+    pending = [r for r in done if r.timings.first_token_at and r.timings.first_token_at > came]
+    overtook = [r.id for r in pending if r.timings.first_token_at < first]
+    assert len(overtook) <= SEQS, (overtook, u.timings)
+    # ... and those it passed include jobs the worker already held, waiting in the engine: the
+    # engine's scheduler put it ahead of them (first come first served would not)
+    held = [r for r in pending if (r.timings.started_at or 0) < came]
+    passed = [r.id for r in held if r.timings.first_token_at > first]
+    assert len(passed) >= 3, ([r.id for r in held], passed, u.timings)
+    assert len(done) == 30 and all(r.status == "completed" for r in done)
