@@ -1,0 +1,163 @@
+"""Interactive jobs beside a saturating bulk batch on one worker, by scheduling policy.
+
+    python -m benchmarks.gpu_priority --model /tmp/models/qwen05 --out $OUT/priority
+
+Per policy (``VQUEUE_SCHEDULING_POLICY``: priority, fcfs) one worker; on it, the bulk batch
+alone (priority 0), then the same batch again with a stream of interactive jobs (priority 9, a
+fixed rate) submitted one by one while it runs. Reports bulk jobs/s both ways and the
+interactive jobs' TTFT and latency from submission (p50/p99). Writes priority.json after each
+run; also runs on a CPU host at a small ``--bulk``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from benchmarks import plugin_env
+from schemas import Settings
+
+from . import workloads as wl
+from .gpu_suite import launch_worker, pct, stop
+
+
+def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, Any]]:
+    from producer import Client
+
+    tag = uuid.uuid4().hex[:6]
+    env = dict(
+        plugin_env(),
+        VQUEUE_BROKER_URL=a.redis,
+        VQUEUE_QUEUE=f"prio-{tag}",
+        VQUEUE_KEY_PREFIX=f"prio-{tag}",
+        VQUEUE_MODEL=a.model,
+        VQUEUE_MAX_MODEL_LEN="4096",
+        VQUEUE_HEARTBEAT_S="1",
+        VQUEUE_SCHEDULING_POLICY=policy,
+    )
+    if a.kv_cache_bytes:
+        env["VQUEUE_KV_CACHE_MEMORY_BYTES"] = str(a.kv_cache_bytes)
+    log = Path(a.out) / f"worker-{policy}.log"
+    proc, fh, start_s = launch_worker(f"prio-{tag}@gpu", env, log, a.redis, "-l", "WARNING")
+    s = Settings(
+        _env_file=None,
+        broker_url=a.redis,
+        queue=env["VQUEUE_QUEUE"],
+        key_prefix=env["VQUEUE_KEY_PREFIX"],
+    )
+    client = Client(s)
+    out_tokens = {"max_tokens": 128, "min_tokens": 128, "ignore_eos": True}
+
+    def bulk() -> list[dict[str, Any]]:  # fresh texts each run: nothing cached by the last
+        return [
+            {"id": f"b{i}", "type": "summarize", "priority": 0, "text": t.tokens(500), **out_tokens}
+            for i in range(a.bulk)
+        ]
+
+    rows = []
+    try:
+        list(client.submit_many(bulk()[: min(64, a.bulk)]).results(timeout=600))  # warm
+        for stream in (False, True):
+            done = threading.Event()
+            urgent: list[Any] = []
+
+            def interactive(done: threading.Event, urgent: list[Any]) -> None:
+                k = 0
+                while not done.is_set():
+                    job = {
+                        "id": f"u{k}",
+                        "type": "summarize",
+                        "priority": 9,
+                        "text": t.tokens(200),
+                        "max_tokens": 64,
+                        "min_tokens": 64,
+                        "ignore_eos": True,
+                    }
+                    urgent.append((job["id"], client.submit(job)))
+                    k += 1
+                    done.wait(1 / a.rate)
+
+            th = threading.Thread(target=interactive, args=(done, urgent), daemon=True)
+            jobs = bulk()  # built before the clock starts
+            t0 = time.perf_counter()
+            batch = client.submit_many(jobs)
+            if stream:
+                th.start()
+            res = list(batch.results(timeout=a.timeout))
+            wall = time.perf_counter() - t0
+            done.set()
+            if stream:
+                th.join()
+            us = [b.result(i, timeout=a.timeout) for i, b in urgent]
+            ttft = [
+                u.timings.first_token_at - u.timings.enqueued_at
+                for u in us
+                if u.timings.first_token_at
+            ]
+            lat = [(u.timings.finished_at or 0) - u.timings.enqueued_at for u in us]
+            row = {
+                "policy": policy,
+                "interactive_stream": stream,
+                "bulk_jobs": len(res),
+                "bulk_failed": sum(r.status != "completed" for r in res),
+                "bulk_wall_s": wall,
+                "bulk_jobs_per_s": len(res) / wall,
+                "interactive_jobs": len(us),
+                "interactive_rate_per_s": a.rate if stream else 0,
+                "ttft_p50_s": pct(ttft, 50),
+                "ttft_p99_s": pct(ttft, 99),
+                "latency_p50_s": pct(lat, 50),
+                "latency_p99_s": pct(lat, 99),
+                "worker_start_s": start_s,
+            }
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:
+        stop(proc, fh, 120)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--bulk", type=int, default=2000)
+    ap.add_argument("--rate", type=float, default=2.0, help="interactive jobs per second")
+    ap.add_argument("--policies", default="priority,fcfs")
+    ap.add_argument("--kv-cache-bytes", type=int, default=0)
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    ap.add_argument("--timeout", type=float, default=600)
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    t = wl.TextMaker(lambda s: len(tok.encode(s, add_special_tokens=False)))
+    rows: list[dict[str, Any]] = []
+    for policy in a.policies.split(","):
+        rows += run(a, policy, t)
+        (out / "priority.json").write_text(json.dumps(rows, indent=2))
+    print(
+        "| policy | interactive stream | bulk jobs/s | interactive jobs | TTFT p50 / p99 s | "
+        "latency p50 / p99 s |\n|---|---|---|---|---|---|"
+    )
+    for r in rows:
+
+        def f(x: float | None) -> str:
+            return "-" if x is None else f"{x:.2f}"
+
+        print(
+            f"| {r['policy']} | {r['interactive_rate_per_s']:g}/s | {r['bulk_jobs_per_s']:.1f} | "
+            f"{r['interactive_jobs']} | {f(r['ttft_p50_s'])} / {f(r['ttft_p99_s'])} | "
+            f"{f(r['latency_p50_s'])} / {f(r['latency_p99_s'])} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
