@@ -238,6 +238,10 @@ def _depth(node: Any, level: int = 0) -> int:
     return level
 
 
+# a language's name or code: "Chinese", "zh", "pt-BR", "Serbian (Latin)"
+LANGUAGE_PATTERN = r"^[A-Za-z][A-Za-z ()-]{1,39}$"
+
+
 class SummarizeJob(_JobBase):
     """Summarize ``text``; ``max_words`` and ``style`` shape the instruction."""
 
@@ -246,6 +250,9 @@ class SummarizeJob(_JobBase):
     max_words: int | None = Field(default=None, ge=1, le=5000)
     # free-form: "bullet points", "one sentence", "for a lawyer"...
     style: str | None = Field(default=None, max_length=200)
+    # the language to write the summary in ("Chinese", or a code such as "zh"); unset, the
+    # document's own where its script names it (worker/prompts.py: answer_language)
+    language: str | None = Field(default=None, pattern=LANGUAGE_PATTERN)
 
 
 class ExtractJob(_JobBase):
@@ -260,6 +267,9 @@ class ExtractJob(_JobBase):
     # a named extraction template (schemas/templates.py; `vqueue templates list`): its worked
     # examples go into the prompt, and its instruction and schema stand in for missing ones
     template: str | None = Field(default=None, pattern=NAME_PATTERN)
+    # the language of free-text values, as for summaries; unset, the document's where its
+    # script names it
+    language: str | None = Field(default=None, pattern=LANGUAGE_PATTERN)
 
     _schema_ok = field_validator("json_schema")(lambda v: v if v is None else _check_json_schema(v))
 

@@ -353,3 +353,52 @@ def test_tokenizer_threads_are_bounded() -> None:
 
     assert 2 <= tokenizer_threads(0) <= 8
     assert tokenizer_threads(3) == 3
+
+
+FLOOD_ZH = (
+    "受持续强降雨影响，本市多条河流水位上涨，防汛部门已启动三级应急响应。市气象台预计未来三天仍有大到"
+    "暴雨，请市民减少外出，注意防范山洪和城市内涝。目前已转移群众一千二百余人，暂无人员伤亡报告。"
+)
+
+
+def _han_share(text: str) -> float:
+    letters = [c for c in text if c.isalpha()]
+    return sum("\u4e00" <= c <= "\u9fff" for c in letters) / max(len(letters), 1)
+
+
+def test_a_chinese_document_is_summarized_in_chinese(client: Client) -> None:
+    # Given a Chinese news paragraph sent as a summarize job, with no language named, and the
+    # same paragraph with English asked for
+    jobs = [
+        {"id": "auto", "type": "summarize", "text": FLOOD_ZH, "max_tokens": 80},
+        {"id": "en", "type": "summarize", "text": FLOOD_ZH, "max_tokens": 80, "language": "en"},
+    ]
+    # When the embedded model answers
+    out = _run(client, *jobs)
+    # Then the first summary is mostly Chinese (it came back in English before: the instruction
+    # and system prompt are English), and the second follows the job's language
+    assert out["auto"].status == "completed" and out["auto"].text
+    assert _han_share(out["auto"].text) > 0.5, out["auto"].text
+    assert out["en"].status == "completed" and _han_share(out["en"].text) < 0.5, out["en"].text
+
+
+def test_the_answer_language_comes_from_the_job_or_the_document_script() -> None:
+    from schemas import ExtractJob, Settings, SummarizeJob
+    from worker.prompts import build_messages, script_language
+
+    assert script_language(FLOOD_ZH) == "Chinese"
+    assert script_language("東京は雨です。明日も雨でしょう。") == "Japanese"  # kana: not Chinese
+    assert script_language("서울에 비가 옵니다") == "Korean"
+    # Latin and Cyrillic scripts are shared by many languages: not named
+    assert script_language("Le conseil a voté le budget.") is None
+    assert script_language("Совет утвердил бюджет.") is None
+    assert script_language("Q3 report: revenue in 中国 grew") is None  # a few Han words
+    s = Settings(_env_file=None)
+    user = build_messages(SummarizeJob(type="summarize", text=FLOOD_ZH), s)[1]["content"]
+    assert user.endswith("\n\nWrite the summary in Chinese.")
+    user = build_messages(SummarizeJob(type="summarize", text="Hi.", language="fr"), s)[1]
+    assert user["content"].endswith("Write the summary in French.")
+    user = build_messages(SummarizeJob(type="summarize", text="Hi."), s)[1]["content"]
+    assert "Write the summary" not in user  # English stays as it was: no prompt change
+    ex = ExtractJob(type="extract", text=FLOOD_ZH, json_schema={"type": "object"})
+    assert build_messages(ex, s)[1]["content"].endswith("Write text values in Chinese.")

@@ -35,6 +35,9 @@ def build_messages(
         if job.system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": job.system})
         return messages
+    # After the document, so that jobs sharing an instruction still share their prefix; a
+    # small model heeds it there as well (docs/quality.md)
+    lang = answer_language(job) if isinstance(job, SummarizeJob | ExtractJob) else None
     if isinstance(job, SummarizeJob):
         ask = "Summarize the following text"
         if job.max_words:
@@ -42,6 +45,8 @@ def build_messages(
         if job.style:
             ask += f" ({job.style})"
         user = f"{ask}.\n\n{job.text}"
+        if lang:
+            user += f"\n\nWrite the summary in {lang}."
     elif isinstance(job, ExtractJob):
         # The schema is in the prompt too: guided decoding enforces its shape, but the model
         # fills the values far better when it can read the field names and descriptions.
@@ -56,9 +61,12 @@ def build_messages(
                 )
                 turns.append({"role": "assistant", "content": json.dumps(ex.output)})
             system = job.system if job.system is not None else settings.system_prompt(job.type)
+            last = f"Text:\n{job.text}" + (f"\n\nWrite text values in {lang}." if lang else "")
             return [{"role": "system", "content": system}, *turns,
-                    {"role": "user", "content": f"Text:\n{job.text}"}]  # fmt: skip
+                    {"role": "user", "content": last}]  # fmt: skip
         user = f"{head}Text:\n{job.text}"
+        if lang:
+            user += f"\n\nWrite text values in {lang}."
     else:
         # shared code context first, so jobs about the same code share its prefix
         user = f"Existing code:\n```{job.language}\n{job.context}\n```\n\n" if job.context else ""
@@ -67,6 +75,55 @@ def build_messages(
     # "" keeps an empty system turn rather than none: Qwen2.5's and SmolLM2's templates insert
     # their own default system prompt (15-30 tokens) when a chat has no system turn at all.
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+# Scripts that name one language. Han, Cyrillic, Arabic, Devanagari and Latin are shared by many
+# (Cantonese, Ukrainian, Persian, Marathi, French...): text in those is not named, except Han
+# without kana, which is Chinese in nearly every document a user sends.
+_SCRIPTS = (
+    ("Japanese", re.compile("[\u3040-\u30ff]")),  # kana: Japanese, Han or not
+    ("Korean", re.compile("[\uac00-\ud7af\u1100-\u11ff]")),
+    ("Chinese", re.compile("[\u4e00-\u9fff\u3400-\u4dbf]")),
+    ("Thai", re.compile("[\u0e00-\u0e7f]")),
+    ("Greek", re.compile("[\u0370-\u03ff]")),
+    ("Hebrew", re.compile("[\u0590-\u05ff]")),
+)
+_LETTER = re.compile(r"[^\W\d_]")
+# codes users may give for the answer's language, and the name the prompt uses
+LANGUAGE_NAMES = {
+    "zh": "Chinese", "zh-cn": "Simplified Chinese", "zh-tw": "Traditional Chinese",
+    "ja": "Japanese", "ko": "Korean", "en": "English", "fr": "French", "de": "German",
+    "es": "Spanish", "pt": "Portuguese", "it": "Italian", "nl": "Dutch", "ru": "Russian",
+    "uk": "Ukrainian", "pl": "Polish", "tr": "Turkish", "ar": "Arabic", "hi": "Hindi",
+    "vi": "Vietnamese", "th": "Thai", "el": "Greek", "he": "Hebrew", "id": "Indonesian",
+}  # fmt: skip
+
+
+def script_language(text: str, sample: int = 4000) -> str | None:
+    """The language ``text`` is written in, where its script alone says so (Chinese, Japanese,
+    Korean, Thai, Greek, Hebrew), from its first ``sample`` characters; None otherwise (Latin
+    script included: telling French from English needs a model, and the job's ``language``
+    says it instead). Kana anywhere makes Han text Japanese."""
+    head = text[:sample]
+    letters = len(_LETTER.findall(head))
+    if not letters:
+        return None
+    for name, pattern in _SCRIPTS:
+        n = len(pattern.findall(head))
+        if name == "Japanese" and n >= 0.05 * letters:
+            return name
+        if n >= 0.3 * letters:
+            return name
+    return None
+
+
+def answer_language(job: SummarizeJob | ExtractJob) -> str | None:
+    """The language the answer should be in: the job's ``language`` (a code becomes its name),
+    else the document's where ``script_language`` names it. A small model asked in English
+    about a Chinese text answers in English unless told (docs/quality.md)."""
+    if job.language:
+        return LANGUAGE_NAMES.get(job.language.lower(), job.language)
+    return script_language(job.text)
 
 
 # Invisible characters that only cost tokens: zero-width space/joiners, word joiner, BOM, soft
