@@ -204,16 +204,23 @@ def test_metrics_count_a_batch(worker: WorkerProc, client: Client) -> None:
     # When the batch runs
     batch = client.submit_many(jobs)
     results = {r.id: r for r in batch.results(timeout=300)}
-    after = _scrape(worker.metrics_port)
+    tokens = sum(r.usage.completion_tokens for r in results.values())
 
-    # Then the counters moved by exactly this batch
+    # Then the counters moved by exactly this batch, once they caught up with it (a worker
+    # counts a result just after storing it; vLLM's own counters follow its next step)
+    def settled() -> dict[Any, float] | None:
+        now = _scrape(worker.metrics_port)
+        done = _delta(before, now, "vqueue_jobs_completed_total", type="summarize") == 3
+        engine = _delta(before, now, "vqueue_engine_generation_tokens_total") == tokens
+        return now if done and engine else None
+
+    after = wait_for(settled, 15, "the metrics to count the batch")
     assert results["m-long"].error and results["m-long"].error.type == "prompt_too_long"
     d = lambda name, **kw: _delta(before, after, name, **kw)  # noqa: E731
     assert d("vqueue_jobs_completed_total", type="summarize") == 3
     assert d("vqueue_jobs_failed_total", type="summarize", error="prompt_too_long") == 1
     assert d("vqueue_queue_wait_seconds_count", type="summarize") == 4
     assert d("vqueue_time_to_first_token_seconds_count", type="summarize") == 3
-    tokens = sum(r.usage.completion_tokens for r in results.values())
     assert d("vqueue_generation_tokens_total", type="summarize") == tokens > 0
     prompt = sum(r.usage.prompt_tokens for r in results.values())
     assert d("vqueue_prompt_tokens_total", type="summarize") == prompt
