@@ -16,7 +16,9 @@ from worker.engine import Generation
 
 class StubEngine:
     def __init__(self, settings: Settings) -> None:
-        import vllm  # noqa: F401  # as the real engine host does at start, not on the first job
+        # what the real engine host has imported before its first job (the jobs' sampling
+        # parameters are vLLM's); else the first 256 jobs queue on Python's import lock
+        import vllm.sampling_params  # noqa: F401
 
         self.settings = settings
         self.model_name = "stub"
