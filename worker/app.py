@@ -152,7 +152,7 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
     # One interpreter holds Celery's consumer, the task threads and vLLM's frontend loop, and
     # each Redis reply waits for the GIL. Python hands the GIL to a waiting thread only every
     # switch interval (5 ms), so while the engine's loop computes, every round trip costs up to
-    # 5 ms: a convoy. Beside a CPU-bound thread a stub worker took in 21 jobs/s at 5 ms and 99
+    # 5 ms: a convoy. Beside a CPU-bound thread a stub worker took in 26 jobs/s at 5 ms and 224
     # at 0.25 ms (benchmarks/gil_switch.py); on the H200, 8K summaries went from 54% to 106%.
     sys.setswitchinterval(settings.gil_switch_ms / 1000)
     warn_if_redis_may_evict(_store().r, "the result store")
