@@ -368,7 +368,7 @@ def check_engine_settings(s: Settings, cuda: bool, gpus: int) -> None:
         problems.append(
             f"VQUEUE_TENSOR_PARALLEL_SIZE={s.tensor_parallel_size} but {gpus} GPU(s) are visible"
         )
-    seqs = s.max_num_seqs or (1024 if cuda else 256)
+    seqs = s.max_num_seqs or (device_max_num_seqs() if cuda else 256)
     if s.max_num_batched_tokens is not None and s.max_num_batched_tokens < seqs:
         problems.append(
             f"VQUEUE_MAX_NUM_BATCHED_TOKENS={s.max_num_batched_tokens} is below "

@@ -8,7 +8,6 @@ token is prefilled for every job, and the seed notes measured a verbose 300-char
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 from collections.abc import Sequence
@@ -105,11 +104,13 @@ def script_language(text: str, sample: int = 4000) -> str | None:
     script included: telling French from English needs a model, and the job's ``language``
     says it instead). Kana anywhere makes Han text Japanese."""
     head = text[:sample]
-    letters = len(_LETTER.findall(head))
-    if not letters:
+    if head.isascii():  # most documents, on the per-job path: one C scan, no regex
         return None
-    for name, pattern in _SCRIPTS:
-        n = len(pattern.findall(head))
+    found = [(name, len(pattern.findall(head))) for name, pattern in _SCRIPTS]
+    if not any(n for _, n in found):
+        return None
+    letters = len(_LETTER.findall(head))
+    for name, n in found:
         if name == "Japanese" and n >= 0.05 * letters:
             return name
         if n >= 0.3 * letters:
@@ -251,11 +252,9 @@ def tokenizer_threads(setting: int) -> int:
     processes, which need a core each to schedule and launch kernels, wait for one."""
     if setting > 0:
         return setting
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 2
-    return max(2, min(8, cores // 4))
+    from .vllm_ext.guided import usable_cores  # stdlib only at import: cheap, and once
+
+    return max(2, min(8, usable_cores() // 4))
 
 
 class PromptTokenizer:

@@ -182,11 +182,15 @@ def grammar_threads() -> int:
     """The default thread count for the masks: half the cores this process may use, at most 8.
     On the H200 host (16 cores) 12 threads were no better than 8 (docs/benchmarks.md): the
     engine's own loop, its output thread and the frontend need cores too."""
+    return max(1, min(8, usable_cores() // 2))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the OS says), else the count."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 2
-    return max(1, min(8, cores // 2))
+        return os.cpu_count() or 2
 
 
 class _Batched:
