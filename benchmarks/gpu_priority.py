@@ -100,6 +100,16 @@ def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, A
                 if u.timings.first_token_at
             ]
             lat = [(u.timings.finished_at or 0) - u.timings.enqueued_at for u in us]
+            # where an interactive job's time to first token goes: in Redis until a task thread
+            # takes it, then in the worker (prompt, engine) until its first token
+            fetched = [
+                (u.timings.started_at or u.timings.enqueued_at) - u.timings.enqueued_at for u in us
+            ]
+            inside = [
+                u.timings.first_token_at - (u.timings.started_at or u.timings.enqueued_at)
+                for u in us
+                if u.timings.first_token_at
+            ]
             row = {
                 "policy": policy,
                 "interactive_stream": stream,
@@ -113,6 +123,10 @@ def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, A
                 "ttft_p99_s": pct(ttft, 99),
                 "latency_p50_s": pct(lat, 50),
                 "latency_p99_s": pct(lat, 99),
+                "in_redis_p50_s": pct(fetched, 50),
+                "in_redis_p99_s": pct(fetched, 99),
+                "taken_to_first_token_p50_s": pct(inside, 50),
+                "taken_to_first_token_p99_s": pct(inside, 99),
                 "worker_start_s": start_s,
             }
             print(json.dumps(row), flush=True)

@@ -40,7 +40,9 @@ class FakeEngine(StubEngine):
         self.stats = EngineStats()
         self._lock = threading.Lock()
 
-    def chat_prompt(self, messages: list[dict[str, str]], known: Any = None) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict[str, str]], known: Any = None, priority: int = 0
+    ) -> list[int]:
         if any(POISON in m["content"] for m in messages):
             os.kill(os.getpid(), signal.SIGKILL)
         if any(BUG in m["content"] for m in messages):

@@ -60,3 +60,40 @@ def test_an_urgent_job_starts_before_the_bulk_jobs_waiting_in_the_engine(
     passed = [r.id for r in held if r.timings.first_token_at > first]
     assert len(passed) >= 3, ([r.id for r in held], passed, u.timings)
     assert len(done) == 30 and all(r.status == "completed" for r in done)
+
+
+def test_jobs_waiting_for_the_tokenizer_go_in_by_priority() -> None:
+    # Given the tokenizer gate with one slot, held, and bulk jobs queued at it before an urgent one
+    import threading
+    import time
+
+    from worker.prompts import PriorityGate
+
+    gate = PriorityGate(1)
+    order: list[str] = []
+    held = threading.Event()
+    release = threading.Event()
+
+    def holder() -> None:
+        with gate(0):
+            held.set()
+            release.wait(10)
+
+    def waiter(name: str, priority: int) -> None:
+        with gate(priority):
+            order.append(name)
+
+    threads = [threading.Thread(target=holder)]
+    threads[0].start()
+    assert held.wait(10)
+    for name, priority in [("bulk1", 0), ("bulk2", 0), ("urgent", 9), ("bulk3", 0), ("mid", 5)]:
+        t = threading.Thread(target=waiter, args=(name, priority))
+        t.start()
+        threads.append(t)
+        time.sleep(0.05)  # each in line before the next
+    # When the slot frees
+    release.set()
+    for t in threads:
+        t.join(10)
+    # Then the urgent job goes first, then the middle one, then the bulk jobs in arrival order
+    assert order == ["urgent", "mid", "bulk1", "bulk2", "bulk3"]
