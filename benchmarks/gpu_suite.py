@@ -405,6 +405,8 @@ class Vqueue:
             VQUEUE_HEARTBEAT_S="1",
             VQUEUE_GPU_MEMORY_UTILIZATION=str(a.gpu_memory_utilization),
             VQUEUE_LOAD_FORMAT=a.load_format,
+            # raw vLLM has no loop retry, and random weights loop: equal work needs it off here
+            VQUEUE_LOOP_DETECTION="off",
         )
         if a.kv_cache_bytes:
             env["VQUEUE_KV_CACHE_MEMORY_BYTES"] = str(a.kv_cache_bytes)

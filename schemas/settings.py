@@ -154,6 +154,19 @@ class Settings(BaseSettings):
     early_stop_codegen: EarlyStop = EarlyStop(window=3, grace_tokens=8)
     early_stop_chat: EarlyStop = EarlyStop()
 
+    # -- loops (worker/runner.py; docs/quality.md): a generation whose last tokens repeat one
+    # cycle of up to loop_max_cycle_tokens tokens loop_min_repeats times in a row (the same
+    # array item again and again, one sentence over and over) is ended in the engine by vLLM's
+    # repetition detection, and the job runs again with a frequency penalty on its own tokens,
+    # at most loop_retries times. A model is confident while it loops, so the logprob rule
+    # does not see it. "json": only jobs that must return JSON; off: never. Jobs with
+    # ignore_eos ask for a fixed length and are never cut.
+    loop_detection: Literal["all", "json", "off"] = "all"
+    loop_max_cycle_tokens: int = Field(default=32, ge=2, le=256)
+    loop_min_repeats: int = Field(default=3, ge=2, le=64)
+    loop_retries: int = Field(default=1, ge=0, le=5)
+    loop_retry_frequency_penalty: float = Field(default=0.5, gt=0.0, le=2.0)
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.visibility_timeout_s <= self.job_timeout_s:

@@ -15,14 +15,15 @@ from producer import Client
 from schemas import ExtractJob, JobResult
 from schemas.templates import BUILTIN
 
-from .conftest import ARTIFACTS, RUN, run_cli
+from .conftest import ARTIFACTS, RUN, WorkerProc, run_cli, wait_for
 from .structured_cases import cases
 
 pytestmark = pytest.mark.engine
 
 # what a job that did not complete may end with: guided decoding makes every finished output
-# valid, so only a cut-off one fails (docs/structured-outputs.md promises no other)
-JSON_ERRORS = {"schema_incomplete"}
+# valid, so only a cut-off one fails, or one that looped in every attempt
+# (docs/structured-outputs.md promises no other)
+JSON_ERRORS = {"schema_incomplete", "loop"}
 
 
 def _run(client: Client, jobs: list[dict[str, Any]]) -> dict[str, JobResult]:
@@ -228,3 +229,64 @@ def test_budget_and_grammar_schema_follow_the_schema() -> None:
     assert bounded["properties"]["n"]["maximum"] == NUMBER_BOUND
     assert bounded["properties"]["x"] == {"type": "number", "minimum": 0, "maximum": NUMBER_BOUND}
     assert "maximum" not in sch["properties"]["n"]
+
+
+# arrays without maxItems, where the embedded model repeats an item (benchmarks/quality.py)
+LOOPING = {
+    "attendees-zh": ("项目周会纪要。出席：张伟、刘洋、陈静。张伟汇报了进度，刘洋提出了测试计划。",
+                     {"topic": {"type": "string"}, "attendees": {"type": "array",
+                                                                 "items": {"type": "string"}}}),
+    "ingredients": ("Tomato soup: soften an onion in butter, add two cans of tomatoes and a litre "
+                    "of stock, simmer, then blend with a little cream and salt.",
+                    {"dish": {"type": "string"}, "ingredients": {"type": "array",
+                                                                 "items": {"type": "string"}}}),
+    "medications": ("Discharge note for Mr. Alan Reyes: continue metformin 500 mg twice daily and "
+                    "lisinopril 10 mg once daily; start atorvastatin 20 mg at night.",
+                    {"patient": {"type": "string"}, "medications": {"type": "array", "items": {
+                        "type": "object", "properties": {"name": {"type": "string"},
+                                                         "dose": {"type": "string"}},
+                        "required": ["name", "dose"], "additionalProperties": False}}}),
+}  # fmt: skip
+
+
+def test_a_looping_extraction_is_ended_at_the_loop_and_retried(
+    worker: WorkerProc, client: Client
+) -> None:
+    from .test_early_stop import _scrape
+
+    before = _scrape(worker.metrics_port)
+    # Given extraction jobs with unbounded arrays, which the embedded model, greedy, fills with
+    # one item over and over, and room for 512 tokens
+    jobs: list[dict[str, Any]] = [{"id": k, "type": "extract", "text": text, "max_tokens": 512,
+             "json_schema": {"type": "object", "properties": props, "required": list(props),
+                             "additionalProperties": False}}
+            for k, (text, props) in LOOPING.items()]  # fmt: skip
+    got = _run(client, jobs)
+    looped = [r for r in got.values() if r.attempts and r.attempts[0].reason == "loop"]
+    # Then the engine ended at least one of them at its loop, long before its 512 tokens
+    assert looped, {k: (r.status, r.text) for k, r in got.items()}
+    for r in looped:
+        first = r.attempts[0]
+        assert 3 * 17 <= first.tokens < 300 and first.frequency_penalty == 0.0, r.attempts
+        # and ran it once more with a frequency penalty on its own tokens, the first run's
+        # tokens counted as waste
+        assert len(r.attempts) == 2 and r.attempts[1].frequency_penalty == 0.5, r.attempts
+        assert r.attempts[1].tokens == r.usage.completion_tokens
+        assert r.usage.wasted_tokens == first.tokens
+        if r.attempts[1].reason == "loop":  # looped again: failed, saying so, its text kept
+            assert r.status == "failed" and r.error and r.error.type == "loop" and r.text
+        else:  # else a valid object, which guided decoding and the schema check guarantee
+            schema = next(j["json_schema"] for j in jobs if j["id"] == r.id)
+            assert r.status == "completed" and _valid(schema, r.data), r
+    # and the worker's metrics count the loops and their tokens
+    want = {
+        "vqueue_loops_total": len(looped),
+        "vqueue_loop_wasted_tokens_total": sum(r.attempts[0].tokens for r in looped),
+    }
+
+    def deltas() -> dict[str, float]:
+        after = _scrape(worker.metrics_port)
+        keys = {n: f'{n}{{type="extract"}}' for n in want}
+        return {n: after.get(k, 0.0) - before.get(k, 0.0) for n, k in keys.items()}
+
+    wait_for(lambda: deltas() == want, 15, f"the metrics to count the loops: {want}")

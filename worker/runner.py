@@ -7,6 +7,7 @@ a broken engine or lost Redis escapes as an exception (and then the task is rede
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 from typing import Any
@@ -38,6 +39,8 @@ from .structured import (
     generation_schema,
     schema_token_budget,
 )
+
+log = logging.getLogger(__name__)
 
 # Below this many tokens of room an answer is useless; refuse rather than return a stub.
 MIN_ANSWER_TOKENS = 16
@@ -127,7 +130,7 @@ def run_job(
             completion_tokens=gen.completion_tokens,
             cached_tokens=gen.cached_tokens,
             wasted_tokens=cut
-            + sum(a.tokens for a in result.attempts if a.reason == "low_confidence"),
+            + sum(a.tokens for a in result.attempts if a.reason in ("low_confidence", "loop")),
         )
         result.timings.first_token_at = gen.first_token_at
         _read_output(job, gen.text, gen.finish_reason, result, max_tokens, cut)
@@ -168,44 +171,122 @@ def generate(
     grammar: dict[str, Any] | None = None,
     deadline: float | None = None,
 ) -> Generation:
-    """Generate the job's answer; under early stop, attempt after attempt until one is not
-    aborted, each recorded in ``result.attempts``. All of them end by ``deadline`` (monotonic;
+    """Generate the job's answer. The engine ends a generation that loops (``loop_detection``);
+    the job then runs again with a frequency penalty on its own tokens, at most ``loop_retries``
+    times, every run recorded in ``result.attempts``. Under early stop each run is itself
+    attempt after attempt until one is not aborted. All of them end by ``deadline`` (monotonic;
     default: the job's timeout from now).
     ``grammar``: the schema the guided decoding compiles (``structured.generation_schema``)."""
     if deadline is None:
         limit = min(job.timeout_s or settings.job_timeout_s, settings.job_timeout_s)
         deadline = time.monotonic() + limit
+    loops = loop_detection(job, settings)
+    penalty = 0.0
+    for retry in range(settings.loop_retries + 1):
+        key = prefix_key if retry == 0 else None
+        gen = _attempts(
+            job, engine, settings, prompt, max_tokens, key, result, grammar, deadline, loops,
+            penalty,
+        )  # fmt: skip
+        if gen.finish_reason != "repetition":
+            return gen
+        penalty = settings.loop_retry_frequency_penalty
+    return gen  # every run looped: the caller reports it
+
+
+def loop_detection(job: Any, settings: Settings) -> Any:
+    """vLLM's ``RepetitionDetectionParams`` for the job, or None where loops are not watched.
+    Pattern sizes from half the longest cycle to all of it: a cycle of ``c`` tokens repeats as
+    every multiple of ``c``, and that range holds one for every ``c`` up to the longest, so the
+    engine checks half as many sizes per step as 1..longest would."""
+    mode = settings.loop_detection
+    if mode == "off" or job.ignore_eos or (mode == "json" and not _wants_json(job)):
+        return None
+    try:
+        from vllm.sampling_params import RepetitionDetectionParams
+    except ImportError:  # vLLM before 0.26: jobs run as they did, loops and all
+        _warn_once("this vLLM has no repetition detection: loops are not caught")
+        return None
+    longest = settings.loop_max_cycle_tokens
+    return RepetitionDetectionParams(
+        max_pattern_size=longest,
+        min_pattern_size=longest // 2 + 1,
+        min_count=settings.loop_min_repeats,
+    )
+
+
+def _attempts(
+    job: Any,
+    engine: EngineHost,
+    settings: Settings,
+    prompt: list[int],
+    max_tokens: int,
+    prefix_key: str | None,
+    result: JobResult,
+    grammar: dict[str, Any] | None,
+    deadline: float,
+    loops: Any,
+    penalty: float,
+) -> Generation:
+    """One run of the job: a single generation, or under early stop attempts until one is not
+    aborted. A run is recorded in ``result.attempts`` when the job is monitored, when it
+    looped, or when it is the retry after a loop."""
     policy = early_stop_policy(job, settings)
     if policy is None:
-        params = sampling_params(job, max_tokens, grammar=grammar)
-        return engine.generate(prompt, params, _left(deadline), prefix_key, priority=job.priority)
+        temperature, seed = job.temperature, job.seed
+        if penalty and job.temperature > 0:  # a sampled job retries with a new seed too
+            seed = job.seed + 1 if job.seed is not None else random.randrange(2**31)
+        params = sampling_params(job, max_tokens, temperature, seed, grammar, loops, penalty)
+        gen = engine.generate(prompt, params, _left(deadline), prefix_key, priority=job.priority)
+        if penalty or gen.finish_reason == "repetition":
+            result.attempts.append(_attempt(result, gen, temperature, seed, penalty))
+        return gen
     last = policy.max_retries
     for k in range(last + 1):
         temperature, seed = retry_sampling(job, policy, k)
         # vLLM does not stop a request short of min_tokens: no abort before them either
         grace = max(policy.grace_tokens, job.min_tokens)
         monitor = Monitor(policy.threshold, policy.window, grace, abort=k < last)
-        params = sampling_params(job, max_tokens, temperature, seed, grammar)
+        params = sampling_params(job, max_tokens, temperature, seed, grammar, loops, penalty)
         left = _left(deadline)
         key = prefix_key if k == 0 else None
         gen = engine.generate(prompt, params, left, key, monitor, priority=job.priority)
-        reading = gen.confidence
-        result.attempts.append(
-            Attempt(
-                n=k + 1,
-                reason="low_confidence" if gen.aborted else gen.finish_reason,
-                tokens=gen.completion_tokens,
-                min_logprob=reading.min_logprob if reading else None,
-                mean_logprob=reading.mean_logprob if reading else None,
-                temperature=temperature,
-                seed=seed,
-                low_confidence=bool(reading and reading.fired),
-            )
-        )
+        result.attempts.append(_attempt(result, gen, temperature, seed, penalty))
         if not gen.aborted:
             result.low_confidence = result.attempts[-1].low_confidence
             return gen
     raise AssertionError("the last attempt is never aborted")  # pragma: no cover
+
+
+def _attempt(
+    result: JobResult, gen: Generation, temperature: float, seed: int | None, penalty: float
+) -> Attempt:
+    reading = gen.confidence
+    reason = gen.finish_reason
+    if gen.aborted:
+        reason = "low_confidence"
+    elif reason == "repetition":
+        reason = "loop"
+    return Attempt(
+        n=len(result.attempts) + 1,
+        reason=reason,
+        tokens=gen.completion_tokens,
+        min_logprob=reading.min_logprob if reading else None,
+        mean_logprob=reading.mean_logprob if reading else None,
+        temperature=temperature,
+        seed=seed,
+        low_confidence=bool(reading and reading.fired),
+        frequency_penalty=penalty,
+    )
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
 
 
 def _left(deadline: float) -> float:
@@ -318,6 +399,8 @@ def sampling_params(
     temperature: float | None = None,
     seed: int | None = None,
     grammar: dict[str, Any] | None = None,
+    loops: Any = None,
+    frequency_penalty: float = 0.0,
 ) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -337,6 +420,8 @@ def sampling_params(
         min_tokens=min(job.min_tokens, max_tokens),
         ignore_eos=job.ignore_eos,
         structured_outputs=structured,
+        **({"repetition_detection": loops} if loops is not None else {}),
+        frequency_penalty=frequency_penalty,
         # Only the final output crosses back to the task thread: no per-token work in Python.
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
@@ -386,6 +471,13 @@ def _read_output(
     schema = _schema_of(job)
     if schema is None and not (isinstance(job, ChatJob) and job.json_object):
         return
+    if finish_reason == "repetition":
+        raise JobFailed(
+            "loop",
+            "the model repeated itself in every attempt (a cycle of tokens, "
+            f"VQUEUE_LOOP_MIN_REPEATS times in a row); the last attempt's output "
+            f"({len(text)} characters) is in text",
+        )
     if finish_reason == "length":
         retried = f", and at {cut} tokens the first time" if cut else ""
         raise JobFailed(
