@@ -13,6 +13,7 @@ ErrorType = Literal[
     "input_too_long",
     "schema_validation",
     "schema_incomplete",
+    "loop",
     "schema_compile_timeout",
     "schema_unsupported",
     "unknown_template",
@@ -29,6 +30,8 @@ ERROR_TYPES: dict[str, str] = {
     "input_too_long": "the document is over its type's input limit and truncation is 'reject'",
     "schema_validation": "the output did not satisfy the job's JSON Schema",
     "schema_incomplete": "the JSON was cut off at max_tokens, and again with twice the room",
+    "loop": "the output repeated one cycle of tokens in every attempt, the retry with a "
+    "frequency penalty included",
     "schema_compile_timeout": "the schema's grammar did not compile within the time limit",
     "schema_unsupported": "the schema's grammar does not compile for this model",
     "unknown_template": "the job names an extraction template no one registered",

@@ -290,3 +290,21 @@ def test_a_looping_extraction_is_ended_at_the_loop_and_retried(
         return {n: after.get(k, 0.0) - before.get(k, 0.0) for n, k in keys.items()}
 
     wait_for(lambda: deltas() == want, 15, f"the metrics to count the loops: {want}")
+
+
+def test_a_json_job_that_loops_every_time_fails_as_loop_with_its_text() -> None:
+    # Given the last attempt of an extraction ended by the engine's loop check
+    from schemas import Envelope, ExtractJob, JobResult, Timings
+    from worker.runner import JobFailed, _read_output
+
+    job = ExtractJob(type="extract", text="t", json_schema={"type": "object"})
+    env = Envelope(job=job, batch="b", enqueued_at=0.0)
+    result = JobResult(id=job.id, batch=env.batch, type="extract", status="completed",
+                       timings=Timings(enqueued_at=0.0))  # fmt: skip
+    # Then reading its output fails the job as a loop, which a result can carry
+    with pytest.raises(JobFailed) as failed:
+        _read_output(job, '{"a":["x","x","x"', "repetition", result)
+    assert failed.value.type == "loop"
+    from schemas import JobError
+
+    assert JobError(type=failed.value.type, message=failed.value.message).type == "loop"
