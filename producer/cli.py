@@ -680,6 +680,61 @@ def ping(obj: Ctx, timeout: float, min_workers: int) -> None:
         time.sleep(0.5)
 
 
+# ----------------------------------------------------------------------------------- cancel
+@cli.command()
+@click.argument("batch")
+@click.pass_obj
+def cancel(obj: Ctx, batch: str) -> None:
+    """Cancel BATCH: its jobs not yet started end as `cancelled`; running ones finish."""
+    if not obj.client.cancel(batch):
+        fail(f"no batch {batch!r}", RET_NOT_FOUND)
+    click.echo(f"batch {batch}: jobs not yet started are withdrawn")
+
+
+# ------------------------------------------------------------------------------- serve, keys
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.pass_obj
+def serve(obj: Ctx, host: str, port: int) -> None:
+    """Serve OpenAI's Files and Batches API over the queue (docs/http-api.md)."""
+    try:
+        from .api import serve as run
+    except ImportError as exc:
+        hint = f"the HTTP API needs the server extra: pip install 'vqueue[server]' ({exc})"
+        fail(hint, RET_USAGE)
+    click.echo(f"vqueue: serving the Batch API on http://{host}:{port}/v1", err=True)
+    run(host, port, obj.settings)
+
+
+@cli.group()
+def keys() -> None:
+    """API keys of `vqueue serve`: each maps to a tenant; stored hashed."""
+
+
+@keys.command("create")
+@click.argument("tenant")
+@click.pass_obj
+def keys_create(obj: Ctx, tenant: str) -> None:
+    """Print a new API key for TENANT (shown once; only its digest is kept)."""
+    from .api import ApiStore
+
+    click.echo(ApiStore(obj.settings).create_key(tenant))
+
+
+@keys.command("revoke")
+@click.argument("tenant")
+@click.pass_obj
+def keys_revoke(obj: Ctx, tenant: str) -> None:
+    """Revoke every API key of TENANT."""
+    from .api import ApiStore
+
+    n = ApiStore(obj.settings).revoke(tenant)
+    if not n:
+        fail(f"tenant {tenant!r} has no keys", RET_NOT_FOUND)
+    click.echo(f"revoked {n} key(s) of {tenant}")
+
+
 # ----------------------------------------------------------------------------------- schema
 @cli.command()
 @click.option(

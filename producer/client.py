@@ -286,6 +286,12 @@ class Client:
     def seal_batch(self, batch_id: str) -> None:
         self.store.seal(batch_id)
 
+    def cancel(self, batch_id: str) -> bool:
+        """Withdraw the batch's jobs that have not started: each ends with a ``cancelled``
+        result, so the batch completes, keeping what finished. Jobs already generating run to
+        their end. False if there is no such batch."""
+        return self.store.withdraw(batch_id, "cancelled")
+
     def _envelope(self, item: Any, batch_id: str) -> Envelope:
         if isinstance(item, Envelope):  # it joins this batch, whatever batch it was made for
             return item if item.batch == batch_id else item.model_copy(update={"batch": batch_id})

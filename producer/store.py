@@ -334,15 +334,29 @@ class BatchStore:
     def has_result(self, batch: str, job_id: str) -> bool:
         return bool(self.r.hget(self.key(batch, "done"), job_id))
 
-    def start(self, batch: str, job_id: str) -> tuple[bool, int]:
-        """At each delivery: (already has a result, deliveries started so far), one round trip."""
+    def start(self, batch: str, job_id: str) -> tuple[bool, int, str | None]:
+        """At each delivery, one round trip: (already has a result, deliveries started so far,
+        why the batch's unstarted jobs were withdrawn, if they were: ``withdraw``)."""
         attempts = self.key(batch, "attempts")
         pipe = self.r.pipeline(transaction=False)
         pipe.hget(self.key(batch, "done"), job_id)
         pipe.hincrby(attempts, job_id, 1)
         pipe.expire(attempts, self.ttl_s)
-        done, n, _ = pipe.execute()
-        return bool(done), int(n)
+        pipe.hget(self.key(batch), "withdrawn")
+        done, n, _, withdrawn = pipe.execute()
+        return bool(done), int(n), withdrawn or None
+
+    def withdraw(self, batch: str, reason: str) -> bool:
+        """Withdraw the batch's jobs that have not started: a worker that takes one records it
+        failed (``cancelled`` or ``expired``: ``reason``) instead of running it, so the batch
+        still completes, with every result it had. False if there is no such batch."""
+        if not self.r.exists(self.key(batch)):
+            return False
+        self.r.hsetnx(self.key(batch), "withdrawn", reason)
+        return True
+
+    def withdrawn(self, batch: str) -> str | None:
+        return self.r.hget(self.key(batch), "withdrawn") or None
 
     def result(self, batch: str, job_id: str) -> JobResult | None:
         entry = self.r.hget(self.key(batch, "done"), job_id)

@@ -24,6 +24,7 @@ ErrorType = Literal[
     "dead_letter",
     "internal_error",
     "cancelled",
+    "expired",
 ]
 ERROR_TYPES: dict[str, str] = {
     "prompt_too_long": "the prompt does not fit the model's context with room to answer",
@@ -42,7 +43,9 @@ ERROR_TYPES: dict[str, str] = {
     "dead_letter": "its worker was lost, or Redis failed, every time it ran; parked in the "
     "dead-letter store",
     "internal_error": "something unexpected went wrong in the worker; the message names it",
-    "cancelled": "the job was revoked (Flower, `celery control revoke`) before it ran",
+    "cancelled": "the job was revoked (Flower, `celery control revoke`) or its batch cancelled "
+    "(`vqueue cancel`) before it ran",
+    "expired": "its batch's completion window ended before the job started",
 }
 assert set(ERROR_TYPES) == set(get_args(ErrorType))
 

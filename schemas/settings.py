@@ -200,6 +200,12 @@ class Settings(BaseSettings):
     wait_no_worker_s: float = Field(default=600.0, ge=0)
     wait_stall_s: float = Field(default=3600.0, ge=0)
 
+    # -- the HTTP API (`vqueue serve`, producer/api.py; docs/http-api.md)
+    # where uploaded input files and written output files are kept ("" : the user cache)
+    files_dir: str = ""
+    max_file_bytes: int = Field(default=2 * 1024**3, ge=1)  # an upload past this is refused
+    api_poll_s: float = Field(default=1.0, gt=0)  # how often open batches are moved along
+
     def backend_url(self) -> str:
         return self.result_backend or self.broker_url
 

@@ -99,14 +99,19 @@ def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
         if _dying:  # the engine is gone and the process about to exit: hand back, uncounted
             time.sleep(0.5)
             raise Reject("the engine died; the job goes back to the queue", requeue=True)
-        done, attempts = store().start(env.batch, env.job.id)
+        done, attempts, withdrawn = store().start(env.batch, env.job.id)
         if done:
             metrics.duplicate(env.job.type)
             return {"id": env.job.id, "status": "duplicate"}
         worker = task.request.hostname or state.name
-        if attempts > settings.max_deliveries:
+        if withdrawn in ("cancelled", "expired"):  # the batch was cancelled, or ran out of time
+            why = "cancelled" if withdrawn == "cancelled" else "completion window ended"
+            message = f"not run: its batch was {why} before the job started"
+            result = _failed(task, payload, withdrawn, message, env)  # type: ignore[arg-type]
+        elif attempts > settings.max_deliveries:
             return _dead_letter(env, payload, attempts, worker)
-        result = _generate(task, env, payload, worker)
+        else:
+            result = _generate(task, env, payload, worker)
     if store().record(result):
         metrics.observe(result)
     else:

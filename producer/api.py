@@ -1,0 +1,583 @@
+"""``vqueue serve``: OpenAI's Files and Batches API in front of the queue, for services that do
+not speak Python or Celery, and for the official ``openai`` SDK (``base_url`` pointing here).
+
+A batch is a vqueue batch under the same id: the server checks the whole input file first
+(an invalid line fails the batch with OpenAI-style ``errors``, nothing runs), then submits it
+with the producer's ``Client`` as the caller's tenant, so that tenant's rate and queue-depth
+limits apply here, on the server. A background loop (and every read) moves batches along:
+counts from the batch store, the deadline of ``completion_window``, and at the end the output
+and error files written from the stored results. Cancel and expiry withdraw the jobs not yet
+started (the worker checks at each job's start); jobs already running finish and are kept.
+
+Tenants are bearer API keys (``vqueue keys create TENANT``), stored as SHA-256 digests only.
+A tenant sees only its own files and batches: anyone else's are 404, never 403. Metadata lives
+in Redis under the key prefix, file contents under ``VQUEUE_FILES_DIR``.
+"""
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from schemas import Envelope, JobResult, Settings, get_settings, output_line
+from schemas.api import (
+    FINAL_STATES,
+    BatchCreate,
+    BatchError,
+    BatchErrors,
+    BatchList,
+    BatchObject,
+    FileDeleted,
+    FileList,
+    FileObject,
+    RequestCounts,
+    window_seconds,
+)
+
+from .inputs import parse_lines, read_lines
+from .store import BatchStore
+
+log = logging.getLogger(__name__)
+
+# at most this many line errors are kept on a failed batch (OpenAI's object is a short list)
+MAX_BATCH_ERRORS = 100
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class ApiStore:
+    """Files, batches and API keys: metadata in Redis, file contents on disk."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.batches = BatchStore.from_settings(settings)
+        self.r = self.batches.r
+        self.p = f"{settings.key_prefix}:api"
+        self.dir = Path(settings.files_dir or _cache() / "files").expanduser()
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    # -- keys
+    def create_key(self, tenant: str) -> str:
+        key = "vq-" + secrets.token_urlsafe(32)
+        self.r.hset(f"{self.p}:keys", _digest(key), tenant)
+        return key
+
+    def revoke(self, tenant: str) -> int:
+        keys = self.r.hgetall(f"{self.p}:keys")
+        gone = [d for d, t in keys.items() if t == tenant]
+        if gone:
+            self.r.hdel(f"{self.p}:keys", *gone)
+        return len(gone)
+
+    def tenant_of(self, key: str) -> str | None:
+        t = self.r.hget(f"{self.p}:keys", _digest(key))
+        return str(t) if t else None
+
+    # -- files
+    def add_file(
+        self, tenant: str, src: Any, filename: str, purpose: str, limit: int
+    ) -> FileObject:
+        """Copy an upload (a file object) in under a new id; ``TooLarge`` past ``limit``."""
+        fid = "file-" + secrets.token_hex(16)
+        path = self.dir / fid
+        size = 0
+        with open(path, "wb") as out:
+            while chunk := src.read(1 << 20):
+                size += len(chunk)
+                if size > limit:
+                    out.close()
+                    path.unlink(missing_ok=True)
+                    raise TooLarge(
+                        f"the file is over the {limit}-byte limit (VQUEUE_MAX_FILE_BYTES)"
+                    )
+                out.write(chunk)
+        return self.register(tenant, fid, filename, purpose, size)
+
+    def register(self, tenant: str, fid: str, filename: str, purpose: str, size: int) -> FileObject:
+        f = FileObject(
+            id=fid, bytes=size, created_at=int(time.time()), filename=filename, purpose=purpose
+        )  # type: ignore[arg-type]
+        pipe = self.r.pipeline()
+        pipe.hset(f"{self.p}:file:{fid}", mapping={"tenant": tenant, "obj": f.model_dump_json()})
+        pipe.zadd(f"{self.p}:tenant:{tenant}:files", {fid: time.time()})
+        pipe.execute()
+        return f
+
+    def file(self, tenant: str, fid: str) -> FileObject | None:
+        h = self.r.hgetall(f"{self.p}:file:{fid}")
+        if not h or h.get("tenant") != tenant:
+            return None
+        return FileObject.model_validate_json(h["obj"])
+
+    def path(self, fid: str) -> Path:
+        return self.dir / fid
+
+    def files(self, tenant: str) -> list[FileObject]:
+        ids = self.r.zrevrange(f"{self.p}:tenant:{tenant}:files", 0, -1)
+        return [f for f in (self.file(tenant, i) for i in ids) if f is not None]
+
+    def delete_file(self, tenant: str, fid: str) -> bool:
+        if self.file(tenant, fid) is None:
+            return False
+        pipe = self.r.pipeline()
+        pipe.delete(f"{self.p}:file:{fid}")
+        pipe.zrem(f"{self.p}:tenant:{tenant}:files", fid)
+        pipe.execute()
+        self.path(fid).unlink(missing_ok=True)
+        return True
+
+    # -- batches
+    def save(self, tenant: str, b: BatchObject, pipe: Any = None) -> None:
+        own = pipe is None
+        pipe = self.r.pipeline() if own else pipe
+        pipe.hset(f"{self.p}:batch:{b.id}", mapping={"tenant": tenant, "obj": b.model_dump_json()})
+        pipe.zadd(f"{self.p}:tenant:{tenant}:batches", {b.id: b.created_at}, nx=True)
+        if b.status in FINAL_STATES:
+            pipe.srem(f"{self.p}:active", b.id)
+        else:
+            pipe.sadd(f"{self.p}:active", b.id)
+        if own:
+            pipe.execute()
+
+    def update(self, bid: str, unless: tuple[str, ...] = (), **changes: Any) -> BatchObject | None:
+        """Change fields of the stored batch atomically (WATCH): every server process and the
+        request handlers update batches at once, and a status must never be lost to a
+        concurrent write of the counts. A batch whose status is in ``unless`` is left as is."""
+        key = f"{self.p}:batch:{bid}"
+        with self.r.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    h = pipe.hgetall(key)
+                    if not h:
+                        return None
+                    b = BatchObject.model_validate_json(h["obj"])
+                    if b.status in unless:
+                        pipe.reset()
+                        return b
+                    b = b.model_copy(update=changes)
+                    pipe.multi()
+                    self.save(h["tenant"], b, pipe)
+                    pipe.execute()
+                    return b
+                except redis.WatchError:
+                    continue
+
+    def batch(self, tenant: str | None, bid: str) -> tuple[str, BatchObject] | None:
+        """(its tenant, the batch); None when absent or another tenant's."""
+        h = self.r.hgetall(f"{self.p}:batch:{bid}")
+        if not h or (tenant is not None and h.get("tenant") != tenant):
+            return None
+        return h["tenant"], BatchObject.model_validate_json(h["obj"])
+
+    def batch_ids(self, tenant: str) -> list[str]:
+        return list(self.r.zrevrange(f"{self.p}:tenant:{tenant}:batches", 0, -1))
+
+    def active(self) -> list[str]:
+        return list(self.r.smembers(f"{self.p}:active"))
+
+    @contextlib.contextmanager
+    def lock(self, bid: str, ttl_s: int = 300) -> Iterator[bool]:
+        """One server process moves a batch at a time (several may serve one Redis)."""
+        key = f"{self.p}:lock:{bid}"
+        token = secrets.token_hex(8)
+        got = bool(self.r.set(key, token, nx=True, ex=ttl_s))
+        try:
+            yield got
+        finally:
+            if got and self.r.get(key) == token:
+                self.r.delete(key)
+
+
+def _cache() -> Path:
+    """``$VQUEUE_CACHE_DIR`` or ``$XDG_CACHE_HOME/vqueue``, as the worker's model cache."""
+    root = os.environ.get("VQUEUE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vqueue"
+    )
+    return Path(root)
+
+
+class TooLarge(ValueError):
+    pass
+
+
+class Batches:
+    """What moves a batch through its states; every method is safe to call again."""
+
+    def __init__(self, store: ApiStore) -> None:
+        self.store = store
+        self.settings = store.settings
+
+    def create(self, tenant: str, req: BatchCreate) -> BatchObject:
+        now = int(time.time())
+        b = BatchObject(
+            id="batch_" + secrets.token_hex(16),
+            endpoint=req.endpoint,
+            input_file_id=req.input_file_id,
+            completion_window=req.completion_window,
+            status="validating",
+            created_at=now,
+            expires_at=now + window_seconds(req.completion_window),
+            metadata=req.metadata,
+        )
+        self.store.save(tenant, b)
+        return b
+
+    def _lines(self, fid: str) -> Iterator[Any]:
+        with open(self.store.path(fid), "rb") as fh:
+            yield from parse_lines(read_lines(fh))
+
+    def submit(self, tenant: str, bid: str) -> None:
+        """Check every line of the input file, then enqueue them all, or fail the batch."""
+        from .client import Client
+
+        found = self.store.batch(tenant, bid)
+        if found is None or found[1].status != "validating":
+            return
+        b = found[1]
+        client = Client(self.settings, tenant=tenant, on_limit="wait")
+        want = "openai" if b.endpoint == "/v1/chat/completions" else "vqueue"
+        errors: list[BatchError] = []
+        bad = total = 0
+        for p in self._lines(b.input_file_id):
+            message = p.error
+            if message is None and p.format != want:
+                message = f"a {p.format} line in a batch for {b.endpoint}: " + (
+                    "lines are vqueue jobs" if want == "vqueue" else "lines are OpenAI requests"
+                )
+            name = getattr(p.job, "template", None)
+            if message is None and name is not None and not client.template_known(name):
+                message = f"unknown template {name!r}"
+            if message is not None:
+                bad += 1
+                if len(errors) < MAX_BATCH_ERRORS:
+                    errors.append(BatchError(code="invalid_request", message=message, line=p.line))
+            total += 1
+        now = int(time.time())
+        if bad or not total:
+            if not total:
+                errors.append(BatchError(code="empty_file", message="the input file has no lines"))
+            self._update(
+                tenant, bid, status="failed", failed_at=now, errors=BatchErrors(data=errors),
+                request_counts=RequestCounts(total=total),
+            )  # fmt: skip
+            return
+
+        def envelopes() -> Iterator[Envelope]:
+            for p in self._lines(b.input_file_id):
+                yield Envelope(
+                    job=p.job, batch=bid, format=p.format, model=p.model, enqueued_at=time.time()
+                )
+
+        # the batch exists in the store before it is in_progress, so a cancel from now on
+        # reaches its jobs
+        client.store.create(bid, "vqueue", b.input_file_id, queue=self.settings.queue)
+        started = self._update(
+            tenant, bid, ("cancelling", *FINAL_STATES), status="in_progress", in_progress_at=now,
+            request_counts=RequestCounts(total=total),
+        )  # fmt: skip
+        if started is None or started.status != "in_progress":  # cancelled while validating
+            self._update(tenant, bid, status="cancelled", cancelled_at=int(time.time()),
+                         request_counts=RequestCounts(total=total))  # fmt: skip
+            return
+        try:
+            client.submit_many(envelopes(), batch=bid, source=b.input_file_id)
+        except Exception as exc:  # Redis gone, a limit refused: what was sent still runs
+            log.exception("batch %s: submission stopped", bid)
+            client.store.seal(bid)
+            errors = [BatchError(code="submission_failed", message=f"{type(exc).__name__}: {exc}")]
+            self._update(tenant, bid, errors=BatchErrors(data=errors))
+
+    def _update(
+        self, tenant: str, bid: str, unless: tuple[str, ...] = FINAL_STATES, **changes: Any
+    ) -> BatchObject | None:
+        return self.store.update(bid, unless, **changes)
+
+    def cancel(self, tenant: str, bid: str) -> BatchObject | None:
+        found = self.store.batch(tenant, bid)
+        if found is None:
+            return None
+        b = found[1]
+        if b.status in FINAL_STATES or b.status == "cancelling":
+            return b
+        # first the jobs (a batch still validating has none yet: submit sees the status)
+        self.store.batches.withdraw(bid, "cancelled")
+        return self._update(
+            tenant, bid, ("cancelling", *FINAL_STATES), status="cancelling",
+            cancelling_at=int(time.time()),
+        )  # fmt: skip
+
+    def advance(self, bid: str) -> BatchObject | None:
+        """Counts, deadline, and the end: output and error files, the final state."""
+        found = self.store.batch(None, bid)
+        if found is None:
+            return None
+        tenant, b = found
+        if b.status in FINAL_STATES or b.status == "validating":
+            return b
+        st = self.store.batches.status(bid)
+        if st is None:  # the batch store expired it
+            return self._update(tenant, bid, status="expired", expired_at=int(time.time()))
+        now = int(time.time())
+        changes: dict[str, Any] = {
+            "request_counts": RequestCounts(
+                total=b.request_counts.total, completed=st.completed, failed=st.failed
+            )
+        }
+        expiring = self.store.batches.withdrawn(bid) == "expired"
+        if b.status == "in_progress" and b.expires_at and now >= b.expires_at and not expiring:
+            self.store.batches.withdraw(bid, "expired")
+        sealed = self.store.batches.is_sealed(bid)
+        if not (sealed and st.done >= st.total):
+            return self._update(tenant, bid, **changes)
+        with self.store.lock(bid) as mine:
+            if not mine:
+                return b
+            self._update(tenant, bid, status="finalizing", finalizing_at=now, **changes)
+            out, err = self._write_outputs(tenant, b)
+            # how it ended is what was withdrawn, if anything: the first of cancel and expiry
+            why = self.store.batches.withdrawn(bid)
+            end = {"cancelled": "cancelled", "expired": "expired"}.get(why or "", "completed")
+            done = int(time.time())
+            changes.update(output_file_id=out, error_file_id=err, status=end)
+            changes[f"{end}_at"] = done
+            return self._update(tenant, bid, **changes)
+
+    def _write_outputs(self, tenant: str, b: BatchObject) -> tuple[str | None, str | None]:
+        """The results as OpenAI output lines: successes in one file, failures in another."""
+        vqueue_lines = b.endpoint == "/v1/vqueue/jobs"
+        names = {"ok": f"{b.id}_output.jsonl", "err": f"{b.id}_error.jsonl"}
+        ids = {k: "file-" + secrets.token_hex(16) for k in names}
+        counts = {"ok": 0, "err": 0}
+        with (
+            open(self.store.path(ids["ok"]), "w") as ok,
+            open(self.store.path(ids["err"]), "w") as err,
+        ):
+            for r in self._results(b.id):
+                line = vqueue_line(r) if vqueue_lines else output_line(r)
+                kind = "ok" if r.status == "completed" else "err"
+                (ok if kind == "ok" else err).write(json.dumps(line) + "\n")
+                counts[kind] += 1
+        got: dict[str, str | None] = {}
+        for k in names:
+            size = os.path.getsize(self.store.path(ids[k]))
+            if counts[k]:
+                self.store.register(tenant, ids[k], names[k], "batch_output", size)
+                got[k] = ids[k]
+            else:
+                self.store.path(ids[k]).unlink(missing_ok=True)
+                got[k] = None
+        return got["ok"], got["err"]
+
+    def _results(self, bid: str) -> Iterator[JobResult]:
+        after = "0-0"
+        while True:
+            page = self.store.batches.read(bid, after, count=1000)
+            if not page:
+                return
+            after = page[-1][0]
+            for _entry, r in page:
+                yield r
+
+
+def vqueue_line(r: JobResult) -> dict[str, Any]:
+    """A vqueue job's result as a batch output line: the ``JobResult`` as the response body."""
+    body = json.loads(r.model_dump_json())
+    if r.status == "completed":
+        return {
+            "id": f"batch_req_{r.id}",
+            "custom_id": r.id,
+            "response": {"status_code": 200, "request_id": r.id, "body": body},
+            "error": None,
+        }
+    err = r.error
+    return {
+        "id": f"batch_req_{r.id}",
+        "custom_id": r.id,
+        "response": None,
+        "error": {"code": err.type if err else "error", "message": err.message if err else ""},
+    }
+
+
+# ------------------------------------------------------------------------------ the app
+
+
+def create_app(settings: Settings | None = None) -> Any:
+    from fastapi import Depends, FastAPI, Header, HTTPException, Request
+    from fastapi.concurrency import run_in_threadpool
+    from fastapi.responses import FileResponse, JSONResponse
+    from prometheus_client import Counter, make_asgi_app
+
+    s = settings or get_settings()
+    store = ApiStore(s)
+    batches = Batches(store)
+    requests_total = Counter(
+        "vqueue_api_requests_total", "HTTP API requests", ["method", "route", "status"]
+    )
+    batch_states = Counter(
+        "vqueue_api_batches_total", "Batches by the state they ended in", ["status"]
+    )
+
+    async def mover() -> None:
+        """Moves every open batch along: counts, deadlines, the end."""
+        while True:
+            await asyncio.sleep(s.api_poll_s)
+            try:
+                for bid in await run_in_threadpool(store.active):
+                    before = await run_in_threadpool(store.batch, None, bid)
+                    b = await run_in_threadpool(batches.advance, bid)
+                    if b and before and b.status != before[1].status and b.status in FINAL_STATES:
+                        batch_states.labels(b.status).inc()
+            except Exception:  # Redis away for a moment: try again next round
+                log.exception("moving batches along")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        task = asyncio.create_task(mover())
+        yield
+        task.cancel()
+
+    app = FastAPI(title="vqueue", version="0.1.0", lifespan=lifespan)
+    app.mount("/metrics", make_asgi_app())
+
+    @app.middleware("http")
+    async def count(request: Request, call_next: Any) -> Any:
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "other")
+        requests_total.labels(request.method, path, str(response.status_code)).inc()
+        return response
+
+    def fail(status: int, message: str, code: str | None = None) -> HTTPException:
+        return HTTPException(status, {"message": message, "type": "invalid_request_error",
+                                      "param": None, "code": code})  # fmt: skip
+
+    @app.exception_handler(HTTPException)
+    async def openai_errors(_request: Request, exc: HTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, dict) else {"message": str(exc.detail)}
+        detail.setdefault("type", "invalid_request_error")
+        return JSONResponse({"error": detail}, status_code=exc.status_code)
+
+    def tenant(authorization: str | None = Header(default=None)) -> str:
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise fail(401, "missing bearer API key (Authorization: Bearer ...)", "invalid_api_key")
+        t = store.tenant_of(authorization[7:].strip())
+        if t is None:
+            raise fail(401, "invalid API key", "invalid_api_key")
+        return t
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, Any]:
+        try:
+            store.r.ping()
+        except Exception as exc:
+            raise fail(503, f"redis: {type(exc).__name__}") from None
+        return {"status": "ok", "workers": len(store.batches.workers())}
+
+    @app.post("/v1/files", response_model=FileObject)
+    async def upload(request: Request, who: str = Depends(tenant)) -> FileObject:
+        limit = s.max_file_bytes
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > limit + 65536:
+            raise fail(413, f"the upload is over the {limit}-byte limit (VQUEUE_MAX_FILE_BYTES)")
+        # Starlette spools each file part to disk past 1 MiB: the upload is never held whole
+        form = await request.form(max_files=1, max_fields=8)
+        purpose, upload = form.get("purpose"), form.get("file")
+        if purpose != "batch":
+            raise fail(400, "purpose must be 'batch'", "invalid_purpose")
+        if upload is None or isinstance(upload, str):
+            raise fail(400, "no file part named 'file'")
+        try:
+            return await run_in_threadpool(
+                store.add_file, who, upload.file, upload.filename or "upload.jsonl", "batch", limit
+            )
+        except TooLarge as exc:
+            raise fail(413, str(exc)) from None
+        finally:
+            await form.close()
+
+    @app.get("/v1/files", response_model=FileList)
+    def list_files(who: str = Depends(tenant)) -> FileList:
+        data = store.files(who)
+        return FileList(data=data, first_id=data[0].id if data else None,
+                        last_id=data[-1].id if data else None)  # fmt: skip
+
+    @app.get("/v1/files/{fid}", response_model=FileObject)
+    def get_file(fid: str, who: str = Depends(tenant)) -> FileObject:
+        f = store.file(who, fid)
+        if f is None:
+            raise fail(404, f"no file {fid!r}")
+        return f
+
+    @app.get("/v1/files/{fid}/content")
+    def file_content(fid: str, who: str = Depends(tenant)) -> Any:
+        f = store.file(who, fid)
+        if f is None or not store.path(fid).exists():
+            raise fail(404, f"no file {fid!r}")
+        return FileResponse(store.path(fid), media_type="application/jsonl", filename=f.filename)
+
+    @app.delete("/v1/files/{fid}", response_model=FileDeleted)
+    def delete_file(fid: str, who: str = Depends(tenant)) -> FileDeleted:
+        if not store.delete_file(who, fid):
+            raise fail(404, f"no file {fid!r}")
+        return FileDeleted(id=fid, deleted=True)
+
+    @app.post("/v1/batches", response_model=BatchObject)
+    async def create_batch(req: BatchCreate, who: str = Depends(tenant)) -> BatchObject:
+        f = await run_in_threadpool(store.file, who, req.input_file_id)
+        if f is None:
+            raise fail(404, f"no file {req.input_file_id!r}")
+        if f.purpose != "batch":
+            raise fail(400, "the input file's purpose must be 'batch'")
+        b = await run_in_threadpool(batches.create, who, req)
+        # the file is checked and submitted off the request: a big one takes a while
+        asyncio.get_running_loop().run_in_executor(None, batches.submit, who, b.id)
+        return b
+
+    @app.get("/v1/batches/{bid}", response_model=BatchObject)
+    def get_batch(bid: str, who: str = Depends(tenant)) -> BatchObject:
+        if store.batch(who, bid) is None:
+            raise fail(404, f"no batch {bid!r}")
+        b = batches.advance(bid)
+        assert b is not None
+        return b
+
+    @app.get("/v1/batches", response_model=BatchList)
+    def list_batches(
+        after: str | None = None, limit: int = 20, who: str = Depends(tenant)
+    ) -> BatchList:
+        limit = max(1, min(limit, 100))
+        ids = store.batch_ids(who)
+        if after is not None:
+            ids = ids[ids.index(after) + 1 :] if after in ids else []
+        page = [found[1] for i in ids[: limit + 1] if (found := store.batch(who, i))]
+        more = len(page) > limit
+        page = page[:limit]
+        return BatchList(data=page, first_id=page[0].id if page else None,
+                         last_id=page[-1].id if page else None, has_more=more)  # fmt: skip
+
+    @app.post("/v1/batches/{bid}/cancel", response_model=BatchObject)
+    def cancel_batch(bid: str, who: str = Depends(tenant)) -> BatchObject:
+        b = batches.cancel(who, bid)
+        if b is None:
+            raise fail(404, f"no batch {bid!r}")
+        return b
+
+    return app
+
+
+def serve(host: str, port: int, settings: Settings | None = None) -> None:
+    import uvicorn
+
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")

@@ -1,0 +1,137 @@
+"""The objects of vqueue's HTTP API (``vqueue serve``): OpenAI's Files and Batches, field for
+field, so the official ``openai`` SDK parses every response. vqueue's own job lines go through
+the same API under the endpoint ``/v1/vqueue/jobs`` (docs/http-api.md)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+# What a batch's input file holds: OpenAI chat requests, or vqueue's own job lines (every type,
+# extraction schemas and templates included); a batch takes lines of its endpoint only.
+ENDPOINTS = ("/v1/chat/completions", "/v1/vqueue/jobs")
+Endpoint = Literal["/v1/chat/completions", "/v1/vqueue/jobs"]
+
+BatchState = Literal[
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
+    "cancelled",
+]
+# a batch in one of these never changes again
+FINAL_STATES = ("failed", "completed", "expired", "cancelled")
+
+FilePurpose = Literal["batch", "batch_output"]
+
+_WINDOW = re.compile(r"^(\d+)([smhd])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def window_seconds(window: str) -> int:
+    """``completion_window`` in seconds: ``24h`` (OpenAI's only value), or any ``<n>s|m|h|d``."""
+    m = _WINDOW.match(window)
+    if not m or int(m.group(1)) <= 0:
+        raise ValueError(f"completion_window must look like 24h, 30m or 90s, not {window!r}")
+    return int(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: FilePurpose
+    status: Literal["uploaded", "processed", "error"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+class BatchCreate(BaseModel):
+    """``POST /v1/batches``."""
+
+    input_file_id: str = Field(min_length=1, max_length=128)
+    endpoint: Endpoint
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+    @field_validator("completion_window")
+    @classmethod
+    def _window(cls, v: str) -> str:
+        window_seconds(v)
+        return v
+
+
+class BatchError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class RequestCounts(BaseModel):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchState
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    metadata: dict[str, str] | None = None
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class ApiError(BaseModel):
+    """OpenAI's error body: ``{"error": {...}}``; the SDK raises its typed errors from it."""
+
+    error: dict[str, Any]

@@ -1,0 +1,232 @@
+"""OpenAI's Files and Batches API over the queue (``vqueue serve``), driven by the official
+``openai`` SDK against a real server process, the session's real worker and engine, and Redis
+(docs/http-api.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from .conftest import MAIN_QUEUE, Procs, WorkerProc, free_port, run_cli, wait_for, worker_env
+
+pytestmark = pytest.mark.engine
+
+
+class Api:
+    def __init__(self, url: str, keys: dict[str, str]) -> None:
+        self.url, self.keys = url, keys
+
+    def sdk(self, tenant: str = "team-a", key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or self.keys[tenant],
+                             max_retries=0)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def api(module_procs: Procs, worker: WorkerProc, tmp_path_factory: pytest.TempPathFactory) -> Api:
+    keys = {}
+    for tenant in ("team-a", "team-b"):
+        made = run_cli("keys", "create", tenant)
+        assert made.returncode == 0, made.stderr
+        keys[tenant] = made.stdout.decode().strip()
+    port = free_port()
+    env = worker_env(MAIN_QUEUE, VQUEUE_FILES_DIR=str(tmp_path_factory.mktemp("files")),
+                     VQUEUE_API_POLL_S="0.2")  # fmt: skip
+    log = open(worker.log_path.parent / "api.log", "w")  # noqa: SIM115
+    module_procs.popen([sys.executable, "-m", "producer.cli", "serve", "--port", str(port)],
+                       env=env, stdout=log, stderr=log)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            with urllib.request.urlopen(url + "/healthz", timeout=2) as r:
+                return bool(json.loads(r.read())["status"] == "ok")
+        except OSError:
+            return False
+
+    wait_for(up, 60, "vqueue serve to answer /healthz")
+    return Api(url, keys)
+
+
+def _chat(cid: str, text: str, **body: Any) -> dict[str, Any]:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": text}],
+                     "max_tokens": 24, **body}}  # fmt: skip
+
+
+def _upload(sdk: openai.OpenAI, tmp: Path, lines: list[Any]) -> Any:
+    path = tmp / "input.jsonl"
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    with open(path, "rb") as fh:
+        return sdk.files.create(file=fh, purpose="batch")
+
+
+def _until(sdk: openai.OpenAI, bid: str, states: tuple[str, ...], timeout: float = 600) -> Any:
+    seen: list[Any] = [None]
+
+    def reached() -> Any:
+        seen[0] = b = sdk.batches.retrieve(bid)
+        return b.status in states and b
+
+    try:
+        return wait_for(reached, timeout, f"{bid} to reach {states}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last seen: {seen[0]}") from None
+
+
+def _lines(sdk: openai.OpenAI, fid: str | None) -> Iterator[dict[str, Any]]:
+    if fid is None:
+        return iter(())
+    return (json.loads(x) for x in sdk.files.content(fid).text.splitlines())
+
+
+def test_a_batch_through_the_sdk_from_upload_to_output_and_error_files(
+    api: Api, tmp_path: Path
+) -> None:
+    sdk = api.sdk()
+    # Given an input file of chat requests, one of which cannot fit its JSON in 4 tokens
+    schema = {"type": "object", "properties": {"story": {"type": "string", "minLength": 100}},
+              "required": ["story"]}  # fmt: skip
+    lines = [_chat(f"q{i}", f"Say hello to person number {i}.") for i in range(3)]
+    lines.append(_chat("cut", "Tell a story.", max_tokens=4, response_format={
+        "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}))  # fmt: skip
+    f = _upload(sdk, tmp_path, lines)
+    assert f.purpose == "batch" and f.bytes > 0 and f.id.startswith("file-")
+    # When a batch is created on it and polled to its end
+    b = sdk.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                           completion_window="24h", metadata={"owner": "test"})  # fmt: skip
+    assert b.status == "validating" and b.metadata == {"owner": "test"}
+    done = _until(sdk, b.id, ("completed", "failed"))
+    # Then it completed with every request counted, and each *_at stamp in order
+    assert done.status == "completed", done
+    assert (done.request_counts.total, done.request_counts.completed) == (4, 3)
+    assert done.request_counts.failed == 1
+    assert done.created_at <= done.in_progress_at <= done.finalizing_at <= done.completed_at
+    # and the output file has one chat completion per good request, the error file the other
+    out = {x["custom_id"]: x for x in _lines(sdk, done.output_file_id)}
+    assert set(out) == {"q0", "q1", "q2"}
+    for x in out.values():
+        body = x["response"]["body"]
+        assert x["response"]["status_code"] == 200 and x["error"] is None
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
+    errs = list(_lines(sdk, done.error_file_id))
+    assert [(x["custom_id"], x["error"]["code"]) for x in errs] == [("cut", "schema_incomplete")]
+    # and the files are listed, described and deletable like OpenAI's
+    listed = {x.id for x in sdk.files.list().data}
+    assert {f.id, done.output_file_id, done.error_file_id} <= listed
+    assert sdk.files.retrieve(done.output_file_id).purpose == "batch_output"
+    assert b.id in {x.id for x in sdk.batches.list(limit=100).data}
+    assert sdk.files.delete(f.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.retrieve(f.id)
+
+
+def test_an_input_file_with_bad_lines_fails_with_their_line_numbers(
+    api: Api, tmp_path: Path
+) -> None:
+    sdk = api.sdk()
+    # Given a file whose lines 2 and 4 are not requests, and line 3 is a vqueue job, not a chat
+    lines = [_chat("ok", "hi"), "not json", {"type": "summarize", "text": "t"},
+             {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions"}]  # fmt: skip
+    f = _upload(sdk, tmp_path, lines)
+    b = sdk.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                           completion_window="24h")  # fmt: skip
+    done = _until(sdk, b.id, ("failed", "completed", "in_progress"), 60)
+    # Then the batch failed before running anything, naming each bad line
+    assert done.status == "failed" and done.failed_at
+    assert [e.line for e in done.errors.data] == [2, 3, 4]
+    assert all(e.code == "invalid_request" and e.message for e in done.errors.data)
+    assert done.output_file_id is None
+
+
+def test_another_tenant_gets_404_and_a_bad_key_401(api: Api, tmp_path: Path) -> None:
+    a, b = api.sdk("team-a"), api.sdk("team-b")
+    f = _upload(a, tmp_path, [{"type": "summarize", "text": "A short note.", "max_tokens": 8}])
+    batch = a.batches.create(input_file_id=f.id, endpoint="/v1/vqueue/jobs",
+                             completion_window="24h")  # fmt: skip
+    # Then tenant B can neither see, read, use nor cancel tenant A's file and batch
+    for call in (lambda: b.files.retrieve(f.id), lambda: b.files.content(f.id),
+                 lambda: b.files.delete(f.id), lambda: b.batches.retrieve(batch.id),
+                 lambda: b.batches.cancel(batch.id),
+                 lambda: b.batches.create(input_file_id=f.id, endpoint="/v1/vqueue/jobs",
+                                          completion_window="24h")):  # fmt: skip
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert f.id not in {x.id for x in b.files.list().data}
+    assert batch.id not in {x.id for x in b.batches.list().data}
+    # and a wrong key is refused outright
+    with pytest.raises(openai.AuthenticationError):
+        api.sdk(key="vq-not-a-key").files.list()
+    # while A's own vqueue job runs, its output line carrying the vqueue result
+    done = _until(a, batch.id, ("completed", "failed"))
+    (line,) = list(_lines(a, done.output_file_id))
+    assert line["response"]["body"]["type"] == "summarize" and line["response"]["body"]["text"]
+
+
+def _slow(n: int) -> list[dict[str, Any]]:
+    return [{"id": f"s{i}", "type": "summarize", "text": f"Report {i}: sales rose in every "
+             "region this quarter.", "max_tokens": 40, "min_tokens": 40, "ignore_eos": True}
+            for i in range(n)]  # fmt: skip
+
+
+def test_cancel_mid_run_keeps_what_finished(api: Api, tmp_path: Path) -> None:
+    sdk = api.sdk()
+    # Given a batch of 60 jobs, more than the worker runs at once
+    f = _upload(sdk, tmp_path, _slow(60))
+    b = sdk.batches.create(input_file_id=f.id, endpoint="/v1/vqueue/jobs",
+                           completion_window="24h")  # fmt: skip
+    # When it is cancelled once some have finished
+    wait_for(lambda: sdk.batches.retrieve(b.id).request_counts.completed >= 1, 600, "a result")
+    c = sdk.batches.cancel(b.id)
+    assert c.status == "cancelling" and c.cancelling_at
+    done = _until(sdk, b.id, ("cancelled",), 600)
+    # Then the batch is cancelled: what finished is in the output file, the rest cancelled
+    counts = done.request_counts
+    assert counts.completed >= 1 and counts.failed >= 1 and counts.total == 60
+    assert counts.completed + counts.failed == 60
+    out = list(_lines(sdk, done.output_file_id))
+    errs = list(_lines(sdk, done.error_file_id))
+    assert len(out) == counts.completed and len(errs) == counts.failed
+    assert {x["error"]["code"] for x in errs} == {"cancelled"}
+
+
+def test_a_short_completion_window_expires_the_batch_with_partial_output(
+    api: Api, tmp_path: Path
+) -> None:
+    sdk = api.sdk()
+    # Given a batch of 60 jobs that cannot finish in its 3-second window
+    f = _upload(sdk, tmp_path, _slow(60))
+    b = sdk.batches.create(input_file_id=f.id, endpoint="/v1/vqueue/jobs",
+                           completion_window="3s")  # type: ignore[arg-type]  # fmt: skip
+    assert b.expires_at == b.created_at + 3
+    done = _until(sdk, b.id, ("expired", "completed"), 600)
+    # Then it expired: jobs not started by the deadline were withdrawn, the finished ones kept
+    assert done.status == "expired" and done.expired_at >= b.expires_at
+    counts = done.request_counts
+    assert counts.completed >= 1 and counts.failed >= 1 and counts.completed + counts.failed == 60
+    assert {x["error"]["code"] for x in _lines(sdk, done.error_file_id)} == {"expired"}
+    assert len(list(_lines(sdk, done.output_file_id))) == counts.completed
+    assert time.time() >= b.expires_at
+
+
+def test_vqueue_cancel_withdraws_a_batch_submitted_by_the_client(client: Any) -> None:
+    # Given a batch submitted with the Python client, more than the worker runs at once
+    batch = client.submit_many(_slow(40))
+    wait_for(lambda: batch.status().done >= 1, 600, "a first result")
+    # When it is cancelled from the command line
+    done = run_cli("cancel", batch.id)
+    assert done.returncode == 0, done.stderr
+    # Then every job ends: the finished ones kept, the rest cancelled, none lost
+    results = list(batch.results(timeout=600))
+    assert len(results) == 40
+    kinds = {r.error.type if r.error else r.status for r in results}
+    assert kinds == {"completed", "cancelled"}, kinds
+    # and an unknown batch is exit 5
+    assert run_cli("cancel", "no-such-batch").returncode == 5
