@@ -46,6 +46,7 @@ class StubEngine:
         prefix_key: Any = None,
         monitor: Any = None,
         priority: int = 0,
+        batch: str | None = None,
     ) -> Generation:
         with self._lock:
             self.jobs_done += 1

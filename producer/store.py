@@ -358,6 +358,12 @@ class BatchStore:
     def withdrawn(self, batch: str) -> str | None:
         return self.r.hget(self.key(batch), "withdrawn") or None
 
+    def withdrawn_many(self, batches: list[str]) -> list[str | None]:
+        pipe = self.r.pipeline(transaction=False)
+        for b in batches:
+            pipe.hget(self.key(b), "withdrawn")
+        return [x or None for x in pipe.execute()]
+
     def result(self, batch: str, job_id: str) -> JobResult | None:
         entry = self.r.hget(self.key(batch, "done"), job_id)
         if not entry:

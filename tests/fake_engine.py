@@ -57,6 +57,7 @@ class FakeEngine(StubEngine):
         prefix_key: Any = None,
         monitor: Any = None,
         priority: int = 0,
+        batch: str | None = None,
     ) -> Generation:
         with self._lock:
             self.in_flight += 1

@@ -230,3 +230,25 @@ def test_vqueue_cancel_withdraws_a_batch_submitted_by_the_client(client: Any) ->
     assert kinds == {"completed", "cancelled"}, kinds
     # and an unknown batch is exit 5
     assert run_cli("cancel", "no-such-batch").returncode == 5
+
+
+def test_cancel_aborts_the_jobs_already_generating(client: Any, worker: WorkerProc) -> None:
+    # Given jobs that generate 1,500 tokens each (minutes on this CPU), all running
+    long = {"max_tokens": 1500, "min_tokens": 1500, "ignore_eos": True}
+    jobs = [{"id": f"long{i}", "type": "summarize", "text": f"Report {i}.", **long} for i in "abc"]
+    batch = client.submit_many(jobs)
+
+    def running() -> bool:
+        mine = [w for w in client.store.workers() if w.get("name") == worker.node]
+        return bool(mine) and mine[0]["in_flight"] >= 3
+
+    wait_for(running, 120, "the three jobs to be generating")
+    # When the batch is cancelled
+    t0 = time.monotonic()
+    assert client.cancel(batch.id)
+    results = list(batch.results(timeout=120))
+    # Then they were aborted in the engine within seconds, each recorded as cancelled
+    assert time.monotonic() - t0 < 30
+    for r in results:
+        assert r.status == "failed" and r.error and r.error.type == "cancelled", r
+        assert "aborted in the engine" in r.error.message

@@ -175,6 +175,7 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
 def _start_heartbeat(sender: Any = None, **_: Any) -> None:
     state.name = getattr(sender, "hostname", None) or f"vqueue@{socket.gethostname()}"
     threading.Thread(target=_heartbeat, name="vqueue-heartbeat", daemon=True).start()
+    threading.Thread(target=_withdrawals, name="vqueue-withdrawals", daemon=True).start()
 
 
 @signals.worker_shutdown.connect
@@ -221,6 +222,26 @@ def warn_if_redis_may_evict(client: Any, what: str) -> str | None:
             policy,
         )
     return policy
+
+
+def _withdrawals() -> None:
+    """Aborts in the engine the running jobs of cancelled batches (`vqueue cancel`, the HTTP
+    API): one round trip a second, for the batches in the engine now."""
+    store = _store()
+    while not state.stop.wait(1.0):
+        active = getattr(state.engine, "active_batches", None)
+        batches = active() if active else []
+        if not batches:
+            continue
+        try:
+            reasons = store.withdrawn_many(batches)
+        except Exception as exc:  # noqa: BLE001  # Redis restarting: next second
+            log.debug("withdrawals: %s", exc)
+            continue
+        for batch, why in zip(batches, reasons, strict=True):
+            # cancelled: stop now; expired: only the jobs not started go, the running finish
+            if why == "cancelled" and (n := state.engine.abort_batch(batch, why)):
+                log.info("batch %s %s: aborted %d running job(s)", batch, why, n)
 
 
 def _heartbeat() -> None:

@@ -63,6 +63,15 @@ class JobTimeout(RuntimeError):
     """The request was still running after ``job_timeout_s``; it was aborted in the engine."""
 
 
+class JobWithdrawn(RuntimeError):
+    """The job's batch was cancelled, or its completion window ended, while it generated; the
+    request was aborted in the engine. ``reason``: ``cancelled`` or ``expired``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"aborted in the engine: its batch was {reason} while it generated")
+        self.reason = reason
+
+
 class EngineDead(RuntimeError):
     """The engine process is gone: no job can run here any more; the worker must restart."""
 
@@ -95,6 +104,9 @@ class EngineHost:
         self._lock = threading.Lock()
         self._groups: OrderedDict[str, threading.Event] = OrderedDict()
         self._admissions: list[tuple[int, int, Any, concurrent.futures.Future[Any]]] = []
+        # the requests of each batch in the engine, to abort when the batch is withdrawn
+        self._batches: dict[str, set[concurrent.futures.Future[Any]]] = {}
+        self._withdrawn: dict[concurrent.futures.Future[Any], str] = {}
         self._arrivals = itertools.count()
         self._admitting = False
         self.in_flight = 0
@@ -169,8 +181,10 @@ class EngineHost:
         prefix_key: str | None = None,
         monitor: Monitor | None = None,
         priority: int = 0,
+        batch: str | None = None,
     ) -> Generation:
         """Run one request to completion; blocks the calling (task) thread, not the engine.
+        ``batch``: the job's, so that ``abort_batch`` can stop it.
         With ``monitor`` (and the monitor loaded), the engine watches its confidence and, if
         ``monitor.abort``, stops it the step the rule holds (``Generation.aborted``).
         ``priority``: the job's, 0-9, higher first; vLLM's scheduler admits waiting requests in
@@ -197,15 +211,45 @@ class EngineHost:
         order = 9 - priority if self.settings.scheduling_policy == "priority" else 0
         coro = self._generate(prompt_ids, params, first_of_group, slot, rule, order)
         future = self._submit(coro, priority)
+        if batch is not None:
+            with self._lock:
+                self._batches.setdefault(batch, set()).add(future)
         try:
             return future.result(timeout=limit)
         except concurrent.futures.TimeoutError:
             future.cancel()  # CancelledError inside _generate: the engine aborts the request
             raise JobTimeout(f"still generating after {limit:g}s; aborted") from None
+        except concurrent.futures.CancelledError:
+            with self._lock:
+                reason = self._withdrawn.pop(future, None)
+            if reason is None:
+                raise
+            raise JobWithdrawn(reason) from None
         finally:
             with self._lock:
                 self.in_flight -= 1
                 self.jobs_done += 1
+                if batch is not None:
+                    mine = self._batches.get(batch)
+                    if mine is not None:
+                        mine.discard(future)
+                        if not mine:
+                            del self._batches[batch]
+                self._withdrawn.pop(future, None)
+
+    def active_batches(self) -> list[str]:
+        """Batches with a request in the engine now."""
+        with self._lock:
+            return list(self._batches)
+
+    def abort_batch(self, batch: str, reason: str) -> int:
+        """Abort every request of ``batch`` in the engine (its waiting task threads raise
+        ``JobWithdrawn``); returns how many."""
+        with self._lock:
+            futures = list(self._batches.get(batch, ()))
+            for f in futures:
+                self._withdrawn[f] = reason
+        return sum(f.cancel() or f.cancelled() for f in futures)
 
     def _submit(self, coro: Coroutine[Any, Any, T], priority: int) -> concurrent.futures.Future[T]:
         """``asyncio.run_coroutine_threadsafe``, but started on the loop by priority (higher

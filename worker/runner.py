@@ -29,7 +29,7 @@ from schemas import (
 )
 
 from .confidence import Monitor
-from .engine import EngineError, EngineHost, Generation, JobTimeout
+from .engine import EngineError, EngineHost, Generation, JobTimeout, JobWithdrawn
 from .prompts import build_messages, clean, extract_code
 from .structured import (
     GrammarCheck,
@@ -143,6 +143,9 @@ def run_job(
     except JobTimeout as exc:
         result.status = "failed"
         result.error = JobError(type="timeout", message=str(exc))
+    except JobWithdrawn as exc:
+        result.status = "failed"
+        result.error = JobError(type=exc.reason, message=str(exc))  # type: ignore[arg-type]
     result.timings.finished_at = time.time()
     return result
 
@@ -237,7 +240,9 @@ def _attempts(
         if penalty and job.temperature > 0:  # a sampled job retries with a new seed too
             seed = job.seed + 1 if job.seed is not None else random.randrange(2**31)
         params = sampling_params(job, max_tokens, temperature, seed, grammar, loops, penalty)
-        gen = engine.generate(prompt, params, _left(deadline), prefix_key, priority=job.priority)
+        gen = engine.generate(
+            prompt, params, _left(deadline), prefix_key, priority=job.priority, batch=result.batch
+        )
         if penalty or gen.finish_reason == "repetition":
             result.attempts.append(_attempt(result, gen, temperature, seed, penalty))
         return gen
@@ -250,7 +255,9 @@ def _attempts(
         params = sampling_params(job, max_tokens, temperature, seed, grammar, loops, penalty)
         left = _left(deadline)
         key = prefix_key if k == 0 else None
-        gen = engine.generate(prompt, params, left, key, monitor, priority=job.priority)
+        gen = engine.generate(
+            prompt, params, left, key, monitor, priority=job.priority, batch=result.batch
+        )
         result.attempts.append(_attempt(result, gen, temperature, seed, penalty))
         if not gen.aborted:
             result.low_confidence = result.attempts[-1].low_confidence
