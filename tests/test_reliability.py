@@ -528,7 +528,7 @@ def test_the_job_timeout_covers_the_json_retry() -> None:
     class CutOff:
         model_name = "stand-in"
 
-        def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        def chat_prompt(self, messages: list[dict[str, str]], *_: Any, **__: Any) -> list[int]:
             return [1] * 20
 
         def generate(
