@@ -239,7 +239,20 @@ class Batches:
             yield from parse_lines(read_lines(fh))
 
     def submit(self, tenant: str, bid: str) -> None:
-        """Check every line of the input file, then enqueue them all, or fail the batch."""
+        """Check every line of the input file, then enqueue them all, or fail the batch; it
+        runs off the request, so whatever goes wrong ends the batch ``failed``, saying why,
+        never leaves it ``validating``."""
+        try:
+            self._submit(tenant, bid)
+        except Exception as exc:  # the file gone from disk, Redis away, a bug of ours
+            log.exception("batch %s: validation failed", bid)
+            error = BatchError(code="server_error", message=f"{type(exc).__name__}: {exc}")
+            self._update(
+                tenant, bid, ("in_progress", "cancelling", *FINAL_STATES), status="failed",
+                failed_at=int(time.time()), errors=BatchErrors(data=[error]),
+            )  # fmt: skip
+
+    def _submit(self, tenant: str, bid: str) -> None:
         from .client import Client
 
         found = self.store.batch(tenant, bid)

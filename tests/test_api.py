@@ -21,8 +21,8 @@ pytestmark = pytest.mark.engine
 
 
 class Api:
-    def __init__(self, url: str, keys: dict[str, str]) -> None:
-        self.url, self.keys = url, keys
+    def __init__(self, url: str, keys: dict[str, str], files: Path) -> None:
+        self.url, self.keys, self.files = url, keys, files
 
     def sdk(self, tenant: str = "team-a", key: str | None = None) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key or self.keys[tenant],
@@ -37,8 +37,8 @@ def api(module_procs: Procs, worker: WorkerProc, tmp_path_factory: pytest.TempPa
         assert made.returncode == 0, made.stderr
         keys[tenant] = made.stdout.decode().strip()
     port = free_port()
-    env = worker_env(MAIN_QUEUE, VQUEUE_FILES_DIR=str(tmp_path_factory.mktemp("files")),
-                     VQUEUE_API_POLL_S="0.2")  # fmt: skip
+    files = tmp_path_factory.mktemp("files")
+    env = worker_env(MAIN_QUEUE, VQUEUE_FILES_DIR=str(files), VQUEUE_API_POLL_S="0.2")
     log = open(worker.log_path.parent / "api.log", "w")  # noqa: SIM115
     module_procs.popen([sys.executable, "-m", "producer.cli", "serve", "--port", str(port)],
                        env=env, stdout=log, stderr=log)  # fmt: skip
@@ -52,7 +52,7 @@ def api(module_procs: Procs, worker: WorkerProc, tmp_path_factory: pytest.TempPa
             return False
 
     wait_for(up, 60, "vqueue serve to answer /healthz")
-    return Api(url, keys)
+    return Api(url, keys, files)
 
 
 def _chat(cid: str, text: str, **body: Any) -> dict[str, Any]:
@@ -144,6 +144,19 @@ def test_an_input_file_with_bad_lines_fails_with_their_line_numbers(
     assert [e.line for e in done.errors.data] == [2, 3, 4]
     assert all(e.code == "invalid_request" and e.message for e in done.errors.data)
     assert done.output_file_id is None
+
+
+def test_a_batch_whose_input_is_gone_from_disk_fails_saying_why(api: Api, tmp_path: Path) -> None:
+    # Given an uploaded file whose contents vanished from the server's disk
+    sdk = api.sdk()
+    f = _upload(sdk, tmp_path, [_chat("x", "hi")])
+    (api.files / f.id).unlink()
+    # Then a batch on it fails with the server's error, never stays validating
+    b = sdk.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                           completion_window="24h")  # fmt: skip
+    done = _until(sdk, b.id, ("failed",), 60)
+    assert done.errors.data[0].code == "server_error"
+    assert "FileNotFoundError" in done.errors.data[0].message
 
 
 def test_another_tenant_gets_404_and_a_bad_key_401(api: Api, tmp_path: Path) -> None:
