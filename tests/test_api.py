@@ -249,11 +249,12 @@ def test_cancel_aborts_the_jobs_already_generating(client: Any, worker: WorkerPr
     # Given jobs that generate 1,500 tokens each (minutes on this CPU), all running
     long = {"max_tokens": 1500, "min_tokens": 1500, "ignore_eos": True}
     jobs = [{"id": f"long{i}", "type": "summarize", "text": f"Report {i}.", **long} for i in "abc"]
+    sent = time.time()
     batch = client.submit_many(jobs)
 
-    def running() -> bool:
+    def running() -> bool:  # a heartbeat from after they arrived (one before may show others)
         mine = [w for w in client.store.workers() if w.get("name") == worker.node]
-        return bool(mine) and mine[0]["in_flight"] >= 3
+        return bool(mine) and mine[0]["updated_at"] > sent + 1 and mine[0]["in_flight"] >= 3
 
     wait_for(running, 120, "the three jobs to be generating")
     # When the batch is cancelled
