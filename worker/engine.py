@@ -1,29 +1,27 @@
-"""The engine host: one persistent vLLM ``AsyncLLM`` per worker process.
+"""The engine host: one persistent vLLM engine per worker process, and the jobs' way into it.
 
-Celery's threads pool runs many jobs at once; each task thread hands its request to the engine's
-own asyncio loop (running in a dedicated thread) and blocks on the answer. Every job a worker holds
-is therefore inside one engine at the same time, which is what lets vLLM's continuous batching and
-prefix cache do their work. The engine is built once, at worker start, and never per job.
+Celery's threads pool runs many jobs at once; each task thread builds its prompt here (the
+tokenizer lives in the worker), hands token ids and sampling parameters to vLLM's frontend,
+which runs in a process of its own (``worker.frontend``: why), and blocks on the answer. Every
+job a worker holds is therefore inside one engine at the same time, which is what lets vLLM's
+continuous batching and prefix cache do their work. The engine is built once, at worker start,
+and never per job.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import heapq
-import itertools
 import logging
 import os
 import threading
 import time
-import uuid
 from collections import OrderedDict
-from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from schemas import Settings
 
+from . import metrics
 from .confidence import (
     ConfidenceBoard,
     LogprobRule,
@@ -32,6 +30,7 @@ from .confidence import (
     marker_token,
     request_args,
 )
+from .frontend import ConfigError, EngineDead, EngineError, FrontendProcess
 from .metrics import EngineStats
 from .models import resolve_model
 from .prompts import PromptTokenizer
@@ -39,24 +38,13 @@ from .vllm_ext.compat import Plan
 from .vllm_ext.configure import IN_ENGINE_MONITOR, configure_engine, plugin_registered
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
-# Requests the engine host starts on vLLM's loop per tick (``EngineHost._submit``): enough to
-# keep the engine fed, few enough that an urgent job never waits behind more than these.
-ADMIT_PER_TICK = 32
+__all__ = ["ConfigError", "EngineDead", "EngineError", "EngineHost", "Generation"]
 
 # CPU hosts have no GPU memory to take a fraction of; the KV cache is sized in bytes instead.
 CPU_DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 # Without AVX-512 bf16 is emulated on the CPU, many times slower than float32.
 CPU_DEFAULT_DTYPE = "float32"
-
-
-class EngineError(RuntimeError):
-    """The engine refused or failed one request; the job fails, the worker carries on."""
-
-
-class ConfigError(ValueError):
-    """Engine settings that cannot work together; the worker exits before loading anything."""
 
 
 class JobTimeout(RuntimeError):
@@ -72,10 +60,6 @@ class JobWithdrawn(RuntimeError):
         self.reason = reason
 
 
-class EngineDead(RuntimeError):
-    """The engine process is gone: no job can run here any more; the worker must restart."""
-
-
 @dataclass(frozen=True)
 class Generation:
     text: str
@@ -89,70 +73,34 @@ class Generation:
 
 
 class EngineHost:
-    """Owns the vLLM engine, its event loop thread and the tokenizer used for prompt building."""
+    """The worker's engine: vLLM's frontend process, the tokenizer used for prompt building,
+    prefix gating, and the bookkeeping of the requests in flight."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         check_engine_settings(settings, _has_cuda(), _gpu_count())
         self.model_path = resolve_model(settings.model)
         self.model_name = settings.served_model_name or settings.model
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="vllm-loop", daemon=True
-        )
-        self._thread.start()
         self._lock = threading.Lock()
         self._groups: OrderedDict[str, threading.Event] = OrderedDict()
-        self._admissions: list[tuple[int, int, Any, concurrent.futures.Future[Any]]] = []
         # the requests of each batch in the engine, to abort when the batch is withdrawn
         self._batches: dict[str, set[concurrent.futures.Future[Any]]] = {}
         self._withdrawn: dict[concurrent.futures.Future[Any], str] = {}
-        self._arrivals = itertools.count()
-        self._admitting = False
         self.in_flight = 0
         self.max_in_flight = 0
         self.jobs_done = 0
         self.started_at = time.time()
-        self._nonce = uuid.uuid4().hex[:8]
+        self._nonce = os.urandom(4).hex()
         self.stats = EngineStats()
-        self.plan: Plan | None = None
-        self.engine = self._call(self._build())
-        tokenizer = self.engine.get_tokenizer()
-        if asyncio.iscoroutine(tokenizer):  # vLLM < 0.30 made it a coroutine
-            tokenizer = self._call(tokenizer)
-        self.tokenizer = tokenizer
-        self.prompts = PromptTokenizer(tokenizer, self._nonce, settings.tokenizer_threads)
+        self.frontend = FrontendProcess(settings, self.model_path, self.stats.apply)
+        self.plan: Plan | None = self.frontend.plan
+        self.tokenizer = self.frontend.tokenizer
+        self.prompts = PromptTokenizer(self.tokenizer, self._nonce, settings.tokenizer_threads)
+        metrics.forward_engine_metrics(self.frontend.metrics_text)
         # logprob early stop: the monitor in the engine reports to this board (worker/confidence)
         in_engine = self.plan is not None and self.plan.monitor in IN_ENGINE_MONITOR
         self.board = ConfidenceBoard() if in_engine else None
-        self.marker = marker_token(tokenizer) if self.board else -1
-
-    async def _build(self) -> Any:
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        kwargs = engine_kwargs(self.settings, self.model_path)
-        config, self.plan = configure_engine(self.settings, kwargs)
-        log.info("starting vLLM engine %s: %s", self.plan.vllm, self.plan.as_dict())
-        # our stat logger rides along with vLLM's own (log line, vllm:* Prometheus metrics)
-        # (EngineStats has StatLoggerBase's methods without importing vLLM to inherit them)
-        loggers: list[Any] = [lambda *_a, **_k: self.stats]
-        engine = AsyncLLM.from_vllm_config(
-            config, usage_context=UsageContext.LLM_CLASS, stat_loggers=loggers
-        )
-        if self.settings.log_stats_s > 0:
-            self._stats_task = asyncio.get_running_loop().create_task(self._log_stats(engine))
-        return engine
-
-    async def _log_stats(self, engine: Any) -> None:
-        """vLLM's own periodic line (throughput, running/waiting, KV use, prefix-cache hits),
-        which its API server prints and a bare AsyncLLM does not."""
-        while True:
-            await asyncio.sleep(self.settings.log_stats_s)
-            await engine.do_log_stats()
-
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        self.marker = marker_token(self.tokenizer) if self.board else -1
 
     def chat_prompt(
         self,
@@ -193,9 +141,6 @@ class EngineHost:
         limit = min(timeout_s or self.settings.job_timeout_s, self.settings.job_timeout_s)
         first_of_group = self._gate(prefix_key, limit)
         limit = max(limit - (time.monotonic() - started), 0.001)
-        with self._lock:
-            self.in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
         slot = None
         rule = None
         if monitor is not None and self.board is not None:
@@ -209,15 +154,21 @@ class EngineHost:
         elif monitor is not None and self.plan is not None and self.plan.monitor == "logprobs":
             rule = LogprobRule(monitor)
         order = 9 - priority if self.settings.scheduling_policy == "priority" else 0
-        coro = self._generate(prompt_ids, params, first_of_group, slot, rule, order)
-        future = self._submit(coro, priority)
-        if batch is not None:
-            with self._lock:
+        try:
+            future = self.frontend.submit(prompt_ids, params, order, priority, first_of_group, rule)
+        except BaseException:
+            if first_of_group is not None:
+                first_of_group.set()  # never leave the group waiting
+            raise
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            if batch is not None:
                 self._batches.setdefault(batch, set()).add(future)
         try:
-            return future.result(timeout=limit)
+            out = future.result(timeout=limit)
         except concurrent.futures.TimeoutError:
-            future.cancel()  # CancelledError inside _generate: the engine aborts the request
+            future.cancel()  # the frontend aborts the request in the engine
             raise JobTimeout(f"still generating after {limit:g}s; aborted") from None
         except concurrent.futures.CancelledError:
             with self._lock:
@@ -236,6 +187,23 @@ class EngineHost:
                         if not mine:
                             del self._batches[batch]
                 self._withdrawn.pop(future, None)
+        tokens, aborted, reading = out.completion_tokens, out.aborted, out.reading
+        if slot is not None and self.board is not None:
+            reading = self.board.read(slot, tokens)
+            # the marker ends the request; without the rule firing it was the model's own token
+            aborted = out.stop_reason == self.marker and reading.fired
+            if aborted:
+                tokens -= 1
+        return Generation(
+            text=out.text,
+            finish_reason=out.finish_reason,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=tokens,
+            first_token_at=out.first_token_at,
+            cached_tokens=out.cached_tokens,
+            aborted=aborted,
+            confidence=reading,
+        )
 
     def active_batches(self) -> list[str]:
         """Batches with a request in the engine now."""
@@ -250,38 +218,6 @@ class EngineHost:
             for f in futures:
                 self._withdrawn[f] = reason
         return sum(f.cancel() or f.cancelled() for f in futures)
-
-    def _submit(self, coro: Coroutine[Any, Any, T], priority: int) -> concurrent.futures.Future[T]:
-        """``asyncio.run_coroutine_threadsafe``, but started on the loop by priority (higher
-        first), then in arrival order, ``ADMIT_PER_TICK`` at a time.
-
-        The loop is vLLM's frontend: it takes requests in and turns every engine step's output
-        into results, under one GIL with the task threads and Celery. On a busy GPU it falls
-        behind, and a plain ``run_coroutine_threadsafe`` joins the end of its callback queue: on
-        the H200 a priority-9 job waited 5 s there behind ~400 bulk requests (TTFT p50 5.0 s,
-        vLLM's scheduler showing Waiting 0), so its priority never reached vLLM in time."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._lock:
-            heapq.heappush(self._admissions, (-priority, next(self._arrivals), coro, future))
-            if self._admitting:
-                return future
-            self._admitting = True
-        self._loop.call_soon_threadsafe(self._admit)
-        return future
-
-    def _admit(self) -> None:
-        """On the loop: start the next requests in line; come back next tick for the rest."""
-        with self._lock:
-            n = min(ADMIT_PER_TICK, len(self._admissions))
-            batch = [heapq.heappop(self._admissions) for _ in range(n)]
-            self._admitting = bool(self._admissions)
-        for _, _, coro, future in batch:
-            if future.cancelled():  # timed out while in line
-                coro.close()
-                continue
-            _chain(self._loop.create_task(coro), future, self._loop)
-        if self._admitting:
-            self._loop.call_soon(self._admit)
 
     def _gate(self, prefix_key: str | None, limit: float) -> threading.Event | None:
         """Prefix gating: the first job of a prefix group goes at once and the rest of its group
@@ -301,92 +237,12 @@ class EngineHost:
         event.wait(min(limit, self.settings.prefix_gate_timeout_s))
         return None
 
-    async def _generate(
-        self,
-        prompt_ids: list[int],
-        params: Any,
-        leader: threading.Event | None = None,
-        slot: int | None = None,
-        rule: LogprobRule | None = None,
-        priority: int = 0,
-    ) -> Generation:
-        """One request to its end. ``slot``: the in-engine monitor watches it and reports to
-        the board. ``rule``: the fallback early stop (no monitor for this vLLM): the request
-        streams vLLM's own top-1 logprob with each token, and is aborted in the engine at the
-        token the rule holds, if ``rule.monitor.abort``."""
-        from vllm.sampling_params import RequestOutputKind
-
-        # A fresh id per call: vLLM refuses a reused id, and a retry must never collide.
-        request_id = uuid.uuid4().hex
-        final = None
-        if rule is not None:
-            params = params.clone()
-            params.logprobs = max(params.logprobs or 0, 1)
-            params.output_kind = RequestOutputKind.DELTA
-        elif leader is not None:  # the group's first job reports its first token to the rest
-            params = params.clone()
-            params.output_kind = RequestOutputKind.CUMULATIVE
-        pieces: list[str] = []  # the text, when it streams back in deltas
-        streamed = 0
-        aborted = False
-        try:
-            async for out in self.engine.generate(
-                {"prompt_token_ids": prompt_ids}, params, request_id, priority=priority
-            ):
-                final = out
-                if leader is not None and not leader.is_set():
-                    leader.set()
-                if rule is not None:
-                    delta = out.outputs[0]
-                    pieces.append(delta.text)
-                    streamed += len(delta.token_ids)
-                    if _rule_holds(rule, delta.logprobs) and rule.monitor.abort:
-                        aborted = True
-                        await self.engine.abort(request_id)
-                        break
-        except asyncio.CancelledError:
-            await self.engine.abort(request_id)
-            raise
-        except Exception as exc:  # vLLM's own validation errors, engine-side failures
-            if type(exc).__name__ == "EngineDeadError" or self.engine.errored:
-                raise EngineDead(f"{type(exc).__name__}: {exc}") from exc
-            raise EngineError(f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            if leader is not None:
-                leader.set()  # never leave the group waiting, whatever happened
-        if final is None or not final.outputs:
-            raise EngineError("the engine returned no output")
-        choice = final.outputs[0]
-        text, tokens, finish = choice.text, len(choice.token_ids), choice.finish_reason
-        reading = None
-        if rule is not None:
-            text, tokens, reading = "".join(pieces), streamed, rule.reading()
-            finish = "stop" if aborted else finish
-        elif slot is not None and self.board is not None:
-            reading = await asyncio.to_thread(self.board.read, slot, tokens)
-            # the marker ends the request; without the rule firing it was the model's own token
-            aborted = choice.stop_reason == self.marker and reading.fired
-            if aborted:
-                tokens -= 1
-        return Generation(
-            text=text,
-            finish_reason=finish,
-            prompt_tokens=len(final.prompt_token_ids or prompt_ids),
-            completion_tokens=tokens,
-            first_token_at=_first_token_at(final),
-            cached_tokens=int(getattr(final, "num_cached_tokens", 0) or 0),
-            aborted=aborted,
-            confidence=reading,
-        )
-
     def close(self) -> None:
         try:
-            self.engine.shutdown()
+            self.frontend.close()
         finally:
             if self.board is not None:
                 self.board.close()
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
 
 
 def engine_kwargs(s: Settings, model_path: str) -> dict[str, Any]:
@@ -530,41 +386,3 @@ def check(settings: Settings) -> dict[str, Any]:
         **{k: v for k, v in p.as_dict().items() if k != "vllm"},
         "degraded": p.degraded,
     }
-
-
-def _chain(task: asyncio.Task[T], future: concurrent.futures.Future[T], loop: Any) -> None:
-    """The task's outcome to the waiting thread's future; cancelling the future (a timeout)
-    cancels the task, whose ``CancelledError`` aborts the request in the engine."""
-
-    def to_thread(t: asyncio.Task[T]) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        if t.cancelled():
-            future.set_exception(concurrent.futures.CancelledError())
-        elif (exc := t.exception()) is not None:
-            future.set_exception(exc)
-        else:
-            future.set_result(t.result())
-
-    def to_loop(f: concurrent.futures.Future[T]) -> None:
-        if f.cancelled():
-            loop.call_soon_threadsafe(task.cancel)
-
-    task.add_done_callback(to_thread)
-    future.add_done_callback(to_loop)
-
-
-def _rule_holds(rule: LogprobRule, logprobs: Any) -> bool:
-    """Feed each new token's top-1 logprob (vLLM's ``logprobs=1`` dicts) to ``rule``."""
-    held = False
-    for top in logprobs or ():
-        held = rule.step(max(lp.logprob for lp in top.values()) if top else 0.0) or held
-    return held
-
-
-def _first_token_at(final: Any) -> float | None:
-    """Wall clock of the first token, from the engine's own request stats."""
-    stats = getattr(final, "metrics", None)
-    if stats is not None and getattr(stats, "first_token_latency", None):
-        return float(stats.arrival_time + stats.first_token_latency)
-    return None

@@ -2,8 +2,9 @@
 
 Job metrics are recorded by the task after each result is stored. Engine metrics come from a vLLM
 stat logger (``EngineStats``), which vLLM calls with the scheduler's own counters after every
-engine step, so they cost nothing per token and need no polling. vLLM's own ``vllm:*`` metrics
-live in the same registry and are served on the same port.
+engine step, so they cost nothing per token and need no polling. vLLM runs in the worker's
+frontend process, which sends those numbers every second; its own ``vllm:*`` metrics are fetched
+from there at each scrape and served on the same port.
 
 Names follow Prometheus conventions: ``vqueue_`` prefix, base units (seconds), ``_total`` for
 counters, ratios in 0..1; rates (tokens/s, prefix-cache hit rate) are left to PromQL.
@@ -14,9 +15,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import (
+    REGISTRY,
     Counter,
     Gauge,
     Histogram,
@@ -128,6 +131,29 @@ def serve(port: int, host: str = "0.0.0.0") -> str | None:
     return f"http://{host}:{port}/metrics"
 
 
+class _EngineMetrics:
+    """vLLM's own ``vllm:*`` metrics, fetched from the frontend process at each scrape (vLLM
+    registers them where it runs; ``worker.frontend``)."""
+
+    def __init__(self, fetch: Callable[[], str | None]) -> None:
+        self.fetch = fetch
+
+    def describe(self) -> list[Any]:
+        return []  # names unknown until vLLM is up; nothing of ours shares the vllm: prefix
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = self.fetch()
+        for family in text_string_to_metric_families(text or ""):
+            if family.name.startswith("vllm:"):
+                yield family
+
+
+def forward_engine_metrics(fetch: Callable[[], str | None]) -> None:
+    REGISTRY.register(_EngineMetrics(fetch))
+
+
 def observe(result: JobResult) -> None:
     t, timings = result.type, result.timings
     if result.status == "completed":
@@ -226,6 +252,37 @@ class EngineStats:
                 ENGINE_GENERATION_TOKENS.inc(gen)
             if prompt:
                 ENGINE_PROMPT_TOKENS.inc(prompt)
+
+    def totals(self) -> dict[str, Any]:
+        """What the frontend process sends the worker every second (``apply`` there)."""
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_cache_usage": self.kv_cache_usage,
+            "generation_tokens": self.generation_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "prefix_queries": self.prefix_queries,
+            "prefix_hits": self.prefix_hits,
+        }
+
+    def apply(self, totals: dict[str, Any]) -> None:
+        """The worker's side of ``totals``: vLLM runs in the frontend process, these gauges and
+        counters are served from the worker's."""
+        self.running, self.waiting = totals["running"], totals["waiting"]
+        self.kv_cache_usage = totals["kv_cache_usage"]
+        ENGINE_RUNNING.set(self.running)
+        ENGINE_WAITING.set(self.waiting)
+        KV_CACHE_USAGE.set(self.kv_cache_usage)
+        for name, counter in (
+            ("generation_tokens", ENGINE_GENERATION_TOKENS),
+            ("prompt_tokens", ENGINE_PROMPT_TOKENS),
+            ("prefix_queries", PREFIX_QUERIES),
+            ("prefix_hits", PREFIX_HITS),
+        ):
+            grown = totals[name] - getattr(self, name)
+            if grown > 0:
+                counter.inc(grown)
+                setattr(self, name, totals[name])
 
     def log_engine_initialized(self) -> None:
         pass
