@@ -280,7 +280,7 @@ class RawEngines:
         )
 
     def _online(self, name: str, rnd: int, prep: list) -> dict[str, Any]:
-        from worker.engine import _first_token_at
+        from worker.frontend import _first_token_at
         from worker.runner import _wants_json, sampling_params
 
         room = self.settings.max_model_len
