@@ -598,7 +598,10 @@ def test_kill_9_of_a_real_worker_leaves_no_engine_behind(
 
 
 @pytest.mark.engine
-def test_engine_death_hands_jobs_back_and_exits_9(procs: Procs, fault_redis: RedisServer) -> None:
+@pytest.mark.parametrize("killed", ["EngineCore", "vqueue::frontend"])
+def test_engine_death_hands_jobs_back_and_exits_9(
+    procs: Procs, fault_redis: RedisServer, killed: str
+) -> None:
     # Given a real worker generating a long job
     import psutil
 
@@ -611,10 +614,10 @@ def test_engine_death_hands_jobs_back_and_exits_9(procs: Procs, fault_redis: Red
     batch = client.submit_many([job]).id
     own = f"faults@{w.node}"
     wait_for(lambda: _in_flight(client, batch) == 1, 30, "the worker to take the job")
-    # When vLLM's engine process dies under it
+    # When vLLM's engine process, or the worker's vLLM frontend process, dies under it
     cores = [p for p in psutil.Process(w.proc.pid).children(recursive=True)
-             if "EngineCore" in " ".join(p.cmdline()) + p.name()]  # fmt: skip
-    assert cores, "no engine-core process found"
+             if killed in " ".join(p.cmdline()) + p.name()]  # fmt: skip
+    assert cores, f"no {killed} process found"
     for p in cores:
         p.kill()
     # Then the worker exits 9 (ENGINE) for its supervisor, and the job is handed back

@@ -276,6 +276,12 @@ def serve(conn: Any, settings: Settings, model_path: str) -> None:
         stream=sys.stderr,
         format="[%(asctime)s: %(levelname)s/vqueue-frontend] %(name)s: %(message)s",
     )
+    try:  # vLLM names its processes (VLLM::EngineCore); `ps` shows this one beside them
+        import setproctitle
+
+        setproctitle.setproctitle("vqueue::frontend")
+    except ImportError:
+        pass
     # the reader, the sender and vLLM's loop share this interpreter: hand the GIL over often
     sys.setswitchinterval(settings.gil_switch_ms / 1000)
     # a worker killed with SIGKILL takes this process within a second (and vLLM's processes,

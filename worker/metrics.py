@@ -205,8 +205,10 @@ class EngineStats:
     """A vLLM stat logger (``AsyncLLM(stat_loggers=[EngineStats])``): the scheduler's numbers
     after every step, into the gauges above and into totals the heartbeat reads.
 
-    vLLM calls this on its output-handling task; the heartbeat thread reads the totals. Plain
-    int/float assignments are atomic under the GIL, and the rate is computed from two reads.
+    vLLM calls ``record`` on its output-handling task in the frontend process, which sends
+    ``totals`` every second; the worker's copy takes them in with ``apply``, and its heartbeat
+    thread reads them. Plain int/float assignments are atomic under the GIL, and the rate is
+    computed from two reads.
     """
 
     # vLLM only checks for these methods (StatLoggerBase is an ABC we need not inherit from,
