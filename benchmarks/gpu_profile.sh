@@ -1,0 +1,27 @@
+#!/bin/bash
+# Where a worker's time goes under short jobs on the lent H200: py-spy, GIL holders only, over the
+# worker and its children (vLLM's frontend, engine core and GPU worker), while one worker runs
+# benchmarks/gpu_priority.py's bulk batch (~500-token summaries, 128 output tokens each).
+# From the project root, after `source .gpu/b/env.sh` (../shared/gpu/README.md), with py-spy on
+# PATH (its manylinux wheel's binary copied into .gpu/b/bin):
+#     bash benchmarks/gpu_profile.sh
+# Writes $OUT/profile/gil.txt (py-spy's raw collapsed stacks: one line per stack, the process
+# and thread first, then the frames, then the sample count); benchmarks/gil_profile.py sums it.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/profile"
+redis-server --daemonize yes --port 6379 --save "" >/dev/null || true
+timeout "${RUN_S:-200}" python3 -m benchmarks.gpu_priority --model /tmp/models/qwen05 \
+  --out "$OUT/profile" --bulk "${BULK:-3000}" --policies priority >"$OUT/profile/run.log" 2>&1 &
+RUN=$!
+for _ in $(seq 120); do  # the worker's process, as soon as it exists
+  WPID=$(pgrep -f "producer.cli worker|celery.*worker" | head -1) && [ -n "$WPID" ] && break
+  sleep 0.5
+done
+# The worker takes ~85 s to start; samples from then on are the load (an idle thread holds no
+# GIL, so the start-up adds only the frontend's and engine's own start-up stacks, which are
+# told apart by their frames).
+py-spy record --pid "$WPID" --subprocesses --gil --nonblocking --rate "${RATE:-50}" \
+  --duration "${DUR_S:-140}" --format raw -o "$OUT/profile/gil.txt" >"$OUT/profile/py-spy.log" 2>&1
+wait $RUN
+tail -5 "$OUT/profile/run.log"
