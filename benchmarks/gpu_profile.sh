@@ -6,22 +6,24 @@
 # PATH (its manylinux wheel's binary copied into .gpu/b/bin):
 #     bash benchmarks/gpu_profile.sh
 # Writes $OUT/profile/gil.txt (py-spy's raw collapsed stacks: one line per stack, the process
-# and thread first, then the frames, then the sample count); benchmarks/gil_profile.py sums it.
+# and thread first, then the frames, then the sample count);
+#     python3 -m benchmarks.gil_profile $OUT/profile/gil.txt
+# sums it by process and by stack.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/profile"
 redis-server --daemonize yes --port 6379 --save "" >/dev/null || true
-timeout "${RUN_S:-200}" python3 -m benchmarks.gpu_priority --model /tmp/models/qwen05 \
+timeout "${RUN_S:-240}" python3 -m benchmarks.gpu_priority --model /tmp/models/qwen05 \
   --out "$OUT/profile" --bulk "${BULK:-3000}" --policies priority >"$OUT/profile/run.log" 2>&1 &
 RUN=$!
 for _ in $(seq 120); do  # the worker's process, as soon as it exists
   WPID=$(pgrep -f "producer.cli worker|celery.*worker" | head -1) && [ -n "$WPID" ] && break
   sleep 0.5
 done
-# The worker takes ~85 s to start; samples from then on are the load (an idle thread holds no
-# GIL, so the start-up adds only the frontend's and engine's own start-up stacks, which are
-# told apart by their frames).
+# The worker takes 85-135 s to start there (py-spy attached from its start saw only imports in
+# the first 118 s, 2026-12-01): sample the load, from LAG_S on.
+sleep "${LAG_S:-130}"
 py-spy record --pid "$WPID" --subprocesses --gil --nonblocking --rate "${RATE:-50}" \
-  --duration "${DUR_S:-140}" --format raw -o "$OUT/profile/gil.txt" >"$OUT/profile/py-spy.log" 2>&1
+  --duration "${DUR_S:-30}" --format raw -o "$OUT/profile/gil.txt" >"$OUT/profile/py-spy.log" 2>&1
 wait $RUN
 tail -5 "$OUT/profile/run.log"
