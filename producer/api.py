@@ -42,6 +42,7 @@ from schemas.api import (
     RequestCounts,
     window_seconds,
 )
+from schemas.settings import cache_dir
 
 from .inputs import parse_lines, read_lines
 from .store import BatchStore
@@ -64,7 +65,7 @@ class ApiStore:
         self.batches = BatchStore.from_settings(settings)
         self.r = self.batches.r
         self.p = f"{settings.key_prefix}:api"
-        self.dir = Path(settings.files_dir or _cache() / "files").expanduser()
+        self.dir = Path(settings.files_dir or cache_dir() / "files").expanduser()
         self.dir.mkdir(parents=True, exist_ok=True)
 
     # -- keys
@@ -125,7 +126,14 @@ class ApiStore:
 
     def files(self, tenant: str) -> list[FileObject]:
         ids = self.r.zrevrange(f"{self.p}:tenant:{tenant}:files", 0, -1)
-        return [f for f in (self.file(tenant, i) for i in ids) if f is not None]
+        pipe = self.r.pipeline(transaction=False)  # one round trip for the whole list
+        for i in ids:
+            pipe.hgetall(f"{self.p}:file:{i}")
+        return [
+            FileObject.model_validate_json(h["obj"])
+            for h in pipe.execute()
+            if h and h.get("tenant") == tenant
+        ]
 
     def delete_file(self, tenant: str, fid: str) -> bool:
         if self.file(tenant, fid) is None:
@@ -198,14 +206,6 @@ class ApiStore:
         finally:
             if got and self.r.get(key) == token:
                 self.r.delete(key)
-
-
-def _cache() -> Path:
-    """``$VQUEUE_CACHE_DIR`` or ``$XDG_CACHE_HOME/vqueue``, as the worker's model cache."""
-    root = os.environ.get("VQUEUE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vqueue"
-    )
-    return Path(root)
 
 
 class TooLarge(ValueError):

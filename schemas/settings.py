@@ -5,6 +5,8 @@ Producers read the broker and queue; workers read the rest. CLI options default 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -235,3 +237,12 @@ class Settings(BaseSettings):
 
 def get_settings() -> Settings:
     return Settings()
+
+
+def cache_dir() -> Path:
+    """vqueue's cache (converted models, the HTTP API's files): ``$VQUEUE_CACHE_DIR`` or
+    ``$XDG_CACHE_HOME/vqueue``."""
+    root = os.environ.get("VQUEUE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vqueue"
+    )
+    return Path(root)

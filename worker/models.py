@@ -9,21 +9,14 @@ folder under the user's cache and reused from there.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import sys
 from pathlib import Path
 
+from schemas.settings import cache_dir
+
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    """Where converted models live: ``$VQUEUE_CACHE_DIR`` or ``$XDG_CACHE_HOME/vqueue``."""
-    root = os.environ.get("VQUEUE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vqueue"
-    )
-    return Path(root)
 
 
 def resolve_model(name: str) -> str:
