@@ -109,6 +109,7 @@ class FrontendProcess:
         self._pending: dict[str, concurrent.futures.Future[Any]] = {}
         self._leads: dict[str, threading.Event] = {}
         self.dead: str | None = None
+        _preload()  # while the frontend starts vLLM: what unpickling its tokenizer will import
         first = self._first()
         if first[0] == "failed":
             self.process.join(30)
@@ -265,6 +266,23 @@ class FrontendProcess:
                     future.set_exception(EngineDead(reason))
                 except concurrent.futures.InvalidStateError:
                     pass
+
+
+def _preload() -> None:
+    """Import here, while the frontend process builds the engine, what the worker needs once it
+    is up (vLLM's tokenizer classes, its sampling parameters): overlapped, not added."""
+    import importlib
+
+    for name in (
+        "vllm.sampling_params",
+        "vllm.tokenizers.hf",  # vLLM >= 0.30
+        "vllm.transformers_utils.tokenizer",  # before
+        "transformers.tokenization_utils_fast",
+    ):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # moved in this version, or missing: the frontend will say
+            pass
 
 
 # ---------------------------------------------------------------------- the frontend process
