@@ -46,6 +46,9 @@ def guard_closed_channels() -> None:
     timeout (its stored result makes that a lookup). Restoring a closed channel's unacked jobs
     is skipped for the same reason; they stay in kombu's unacked set for that scan.
 
+    Also: a job kombu took off its list but could not record as unacknowledged, because Redis
+    went away between the two commands, goes to ``limbo`` instead of nowhere (``Limbo``).
+
     Installed on the kombu versions in ``KOMBU_VERIFIED`` only; elsewhere the worker logs an
     error and runs without it.
     """
@@ -82,9 +85,90 @@ def guard_closed_channels() -> None:
             )
             return None
 
+    stock_append = kombu_redis.QoS.append
+
+    def append(self: Any, message: Any, delivery_tag: Any) -> Any:
+        try:
+            return stock_append(self, message, delivery_tag)
+        except (closed, kombu_redis.redis.exceptions.TimeoutError):
+            limbo.keep(self.channel, message)
+            raise
+
     _connparams.__vqueue__ = True  # type: ignore[attr-defined]
     channel._connparams = _connparams  # type: ignore[method-assign]
     kombu_redis.QoS.restore_unacked = restore_unacked  # type: ignore[method-assign]
+    kombu_redis.QoS.append = append  # type: ignore[method-assign]
+
+
+class Limbo:
+    """Jobs kombu took off their list that Redis never saw recorded as unacknowledged.
+
+    kombu's Redis transport pops a job (``BRPOP``) and then, in a second command, records it in
+    the unacknowledged set; when Redis goes away between the two, the second raises, the job
+    never reaches Celery, and Redis holds it nowhere: no visibility timeout brings it back (a
+    clean-clone CI run lost one of 200 that way on a Redis restart). Here the failed record
+    keeps the message, and a thread pushes it back to the head of its list once Redis answers.
+    Should the record have landed after all (the reply lost, not the command), the job is
+    queued twice, which costs a lookup: results are recorded once. Only a worker killed between
+    the two commands still loses its job that way (docs/reliability.md).
+    """
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._held: list[tuple[str, str, str]] = []  # (broker url, list key, message)
+        self._thread: threading.Thread | None = None
+
+    def keep(self, channel: Any, message: Any) -> None:
+        from kombu.utils.json import dumps
+
+        try:
+            url = channel.connection.client.as_uri(include_password=True)
+            queue = message.delivery_info["routing_key"]
+            pri = channel._get_message_priority(message._raw, reverse=False)
+            held = (url, channel._q_for_pri(queue, pri), dumps(message._raw))
+        except Exception:  # noqa: BLE001  # nothing to keep it by: say so, loudly
+            log.exception("a job taken off its list as Redis went away could not be kept")
+            return
+        log.warning(
+            "a job was taken off %s as Redis went away, before it was recorded as "
+            "unacknowledged; it goes back to that list once Redis answers",
+            held[1],
+        )
+        with self._lock:
+            self._held.append(held)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._return, name="vqueue-limbo")
+                self._thread.daemon = True
+                self._thread.start()
+
+    def held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def _return(self) -> None:
+        import redis
+
+        while True:
+            time.sleep(self.every_s)
+            with self._lock:
+                items = list(self._held)
+            for item in items:
+                url, key, payload = item
+                try:
+                    redis.Redis.from_url(url, socket_timeout=5).rpush(key, payload)
+                except redis.RedisError:
+                    continue  # still away: next round
+                log.warning("a job taken as Redis went away is back on %s", key)
+                with self._lock:
+                    self._held.remove(item)
+            with self._lock:
+                if not self._held:
+                    self._thread = None
+                    return
+
+
+limbo = Limbo()
 
 
 def create_app(settings: Settings | None = None) -> Celery:
