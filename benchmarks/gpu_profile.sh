@@ -1,6 +1,7 @@
 #!/bin/bash
 # Where a worker's time goes under short jobs on the lent H200: py-spy, GIL holders only, over the
-# worker and its children (vLLM's frontend, engine core and GPU worker), while one worker runs
+# worker and its children (its intake processes, vLLM's frontend, engine core and GPU worker),
+# while one worker runs
 # benchmarks/gpu_priority.py's bulk batch (~500-token summaries, 128 output tokens each).
 # From the project root, after `source .gpu/b/env.sh` (../shared/gpu/README.md), with py-spy on
 # PATH (its manylinux wheel's binary copied into .gpu/b/bin):
@@ -20,10 +21,15 @@ for _ in $(seq 120); do  # the worker's process, as soon as it exists
   WPID=$(pgrep -f "producer.cli worker|celery.*worker" | head -1) && [ -n "$WPID" ] && break
   sleep 0.5
 done
-# The worker takes 85-135 s to start there (py-spy attached from its start saw only imports in
-# the first 118 s, 2026-12-01): sample the load, from LAG_S on.
-sleep "${LAG_S:-130}"
+# The worker takes 85-135 s to start there (py-spy attached from its start saw only imports,
+# 2026-12-01): wait for the heartbeats of the worker and its intake processes (WORKERS, 4 by
+# default on a GPU), then let the bulk batch get going, then sample it.
+for _ in $(seq 600); do
+  [ "$(redis-cli --scan --pattern '*:worker:*' | wc -l)" -ge "${WORKERS:-4}" ] && break
+  sleep 0.5
+done
+sleep "${LAG_S:-6}"
 py-spy record --pid "$WPID" --subprocesses --gil --nonblocking --rate "${RATE:-50}" \
-  --duration "${DUR_S:-30}" --format raw -o "$OUT/profile/gil.txt" >"$OUT/profile/py-spy.log" 2>&1
+  --duration "${DUR_S:-20}" --format raw -o "$OUT/profile/gil.txt" >"$OUT/profile/py-spy.log" 2>&1
 wait $RUN
 tail -5 "$OUT/profile/run.log"

@@ -89,7 +89,14 @@ def launch_worker(
         argv += ["--gpus", "0"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    while not any(w.get("name") == name for w in store.workers()):
+
+    def up() -> bool:  # the worker and every intake process feeding its engine
+        workers = store.workers()
+        first = [w for w in workers if w.get("name") == name]
+        want = first[0].get("intake_processes", 1) - 1 if first else 0
+        return bool(first) and sum(w.get("intake_of") == name for w in workers) >= want
+
+    while not up():
         if proc.poll() is not None or time.perf_counter() - t0 > 900:
             stop(proc, log, 30)
             raise RuntimeError(f"worker did not start (exit {proc.poll()}); see {log_path}")
@@ -634,6 +641,8 @@ def main() -> None:
     try:
         vq = Vqueue(a, env)
         meta["vqueue_start_s"] = vq.start_s
+        first = [w for w in vq.client.store.workers() if not w.get("intake_of")]
+        meta["vqueue_intake_processes"] = first[0].get("intake_processes", 1) if first else None
         import vllm
 
         meta["vllm"] = vllm.__version__

@@ -36,13 +36,13 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from schemas import Settings
-    from worker.engine import _has_cuda
+    from worker.engine import has_cuda
     from worker.runner import loop_detection
 
     from . import workloads as wl
 
     kwargs: dict[str, Any] = {"model": a.model, "max_model_len": 4096}
-    if not _has_cuda():  # a smoke run on the CPU
+    if not has_cuda():  # a smoke run on the CPU
         kwargs.update(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=512 * 1024**2)
     if a.max_num_seqs:
         kwargs["max_num_seqs"] = a.max_num_seqs

@@ -792,7 +792,10 @@ def worker(
     as_json: bool,
     celery_args: tuple[str, ...],
 ) -> None:
-    """Start a worker: one Celery process hosting one persistent vLLM engine.
+    """Start a worker: one persistent vLLM engine, fed by Celery processes.
+
+    With a GPU, four Celery processes take jobs in for the engine (VQUEUE_INTAKE_PROCESSES);
+    the first starts the engine and the others, and stops them when it stops.
 
     Extra arguments go to 'celery worker' unchanged.
     """
@@ -830,6 +833,15 @@ def worker(
 
         env["VQUEUE_MAX_NUM_SEQS"] = str(device_max_num_seqs())
         ws = ws.model_copy(update={"max_num_seqs": int(env["VQUEUE_MAX_NUM_SEQS"])})
+    intakes = s.intake_processes
+    if not intakes:  # auto: several on a GPU, where one consumer cannot keep up (settings)
+        from worker.engine import has_cuda
+
+        intakes = s.intake_count(has_cuda())
+    if intakes > 1:  # each Celery process holds its share of what the engine holds
+        env["VQUEUE_INTAKE_PROCESSES"] = str(intakes)
+        env["VQUEUE_CONCURRENCY"] = str(ws.intake_concurrency(intakes))
+        ws = ws.model_copy(update={"concurrency": ws.intake_concurrency(intakes)})
     from celery.utils.nodenames import host_format
 
     from .routing import worker_queue

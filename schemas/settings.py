@@ -102,6 +102,15 @@ class Settings(BaseSettings):
     # Celery threads; 0 means 2 * max_num_seqs, so the engine always has its next batch queued
     # (`vqueue worker` resolves an unset max_num_seqs for its device first)
     concurrency: int = 0
+    # Celery processes that take jobs in for the worker's one engine, each with its share of
+    # the concurrency and its own consumer, tokenizer and task threads (worker/app.py: one
+    # consumer takes in about 250 jobs/s, less than an H200 finishes short jobs). 0: 1 on a
+    # CPU host, 4 with a GPU.
+    intake_processes: int = Field(default=0, ge=0, le=32)
+    # set by a worker for its other intake processes (internal): its frontend's socket and key,
+    # and its name
+    frontend: str = ""
+    intake_of: str = ""
     gpus: str | None = None  # CUDA_VISIBLE_DEVICES for this worker
     heartbeat_s: float = 5.0  # how often a worker refreshes its liveness key
     log_stats_s: float = 10.0  # how often the engine logs vLLM's stats line; 0 turns it off
@@ -212,7 +221,15 @@ class Settings(BaseSettings):
         return self.result_backend or self.broker_url
 
     def worker_concurrency(self) -> int:
+        """Jobs the worker holds at once, all its intake processes together."""
         return self.concurrency or 2 * (self.max_num_seqs or 256)
+
+    def intake_count(self, cuda: bool) -> int:
+        return self.intake_processes or (4 if cuda else 1)
+
+    def intake_concurrency(self, intakes: int) -> int:
+        """One intake process's share of the worker's concurrency."""
+        return -(-self.worker_concurrency() // intakes)
 
     def default_max_tokens(self, job_type: str) -> int:
         return int(getattr(self, f"max_tokens_{job_type}"))

@@ -631,6 +631,60 @@ def test_kill_9_of_a_real_worker_leaves_no_engine_behind(
 
 
 @pytest.mark.engine
+def test_intake_processes_share_one_engine_and_end_with_the_worker(
+    procs: Procs, fault_redis: RedisServer
+) -> None:
+    # Given a real worker whose one engine is fed by two Celery intake processes
+    import psutil
+
+    client = _client(fault_redis.url, prefix_routing=False)  # every job on the shared queue
+    env = {"VQUEUE_VISIBILITY_TIMEOUT_S": "20", "VQUEUE_JOB_TIMEOUT_S": "15"}
+    w = procs.worker("in2", "faults", VQUEUE_BROKER_URL=fault_redis.url,
+                     VQUEUE_INTAKE_PROCESSES="2", **env)  # fmt: skip
+    w.wait_ready(client.store.r)
+    intake = w.node.replace("@", "-intake1@")
+
+    def registered() -> dict[str, Any]:
+        return {x["name"]: x for x in client.store.workers()}
+
+    wait_for(lambda: intake in registered(), 180, "the second intake process")
+    assert registered()[intake]["intake_of"] == w.node
+    # When a batch runs
+    jobs = [{"id": f"s{i}", "type": "summarize", "text": f"Story number {i}.", "max_tokens": 24,
+             "min_tokens": 24, "ignore_eos": True} for i in range(24)]  # fmt: skip
+    batch = client.submit_many(jobs).id
+    wait_for(lambda: _done(client, batch) >= 24, 300, "the batch")
+    # Then both processes took jobs in, each job ran once, and one engine ran them all
+    ran = Counter(r.worker for r in client.store.iter_all(batch))
+    assert set(ran) == {w.node, intake} and min(ran.values()) >= 2, ran
+    figures = _exactly_once(client, batch, 24)
+    tree = psutil.Process(w.proc.pid).children(recursive=True)
+    cores = [p for p in tree if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+    assert len(cores) == 1, [p.cmdline()[:3] for p in tree]
+
+    # When the worker is killed with SIGKILL in the middle of the next batch
+    jobs = [{**j, "id": f"k{i}", "max_tokens": 48, "min_tokens": 48} for i, j in enumerate(jobs)]
+    second = client.submit_many(jobs[:12]).id
+    wait_for(lambda: _in_flight(client, second) >= 2, 60, "jobs to be running")
+    w.kill9()
+
+    # Then its intake process and its engine's processes are gone within 10 s
+    def running(p: Any) -> bool:
+        try:
+            return bool(p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
+        except psutil.NoSuchProcess:
+            return False
+
+    wait_for(lambda: not any(running(p) for p in tree), 10, "the intake and engine to exit")
+    # and the next worker (the fake engine: queue mechanics from here) finishes it, once each
+    procs.fake_worker("in2", fault_redis.url, delay=0.05, concurrency=4)
+    wait_for(lambda: _done(client, second) >= 12, 120, "the batch on the next worker")
+    _exactly_once(client, second, 12)
+    _report("two intake processes, one engine", {"jobs": 24, "per_process": dict(ran),
+                                                 "left_after_kill_10s": 0, **figures})  # fmt: skip
+
+
+@pytest.mark.engine
 @pytest.mark.parametrize("killed", ["EngineCore", "vqueue::frontend"])
 def test_engine_death_hands_jobs_back_and_exits_9(
     procs: Procs, fault_redis: RedisServer, killed: str

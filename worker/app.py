@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -213,12 +215,89 @@ guard_closed_channels()
 app.conf.imports = ("worker.tasks",)
 
 
+def intake_name(hostname: str, i: int) -> str:
+    """``vqueue-gpu0@host`` -> ``vqueue-gpu0-intake1@host``."""
+    name, at, host = hostname.partition("@")
+    return f"{name}-intake{i}{at}{host}"
+
+
+class Intakes:
+    """The worker's other intake processes: Celery workers of their own (consumer, task threads,
+    tokenizer, heartbeat, routed queue) whose jobs run on this process's engine, reached through
+    its frontend's socket. One Celery consumer takes in about 250 jobs a second, fewer than an
+    H200 finishes short jobs; several, feeding one engine, do not share a GIL. The first process
+    starts them once the engine is up, starts one again if it dies while the engine lives, and
+    stops them when it stops; they exit if it dies (``watch_owner``)."""
+
+    def __init__(self, worker: Any, count: int, frontend: str) -> None:
+        self.worker = worker
+        self.env = dict(
+            os.environ,
+            VQUEUE_FRONTEND=frontend,
+            VQUEUE_INTAKE_OF=worker.hostname,
+            VQUEUE_INTAKE_PROCESSES=str(count),
+            VQUEUE_METRICS_PORT="0",  # the engine's metrics are the first process's
+        )
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.stopping = threading.Event()
+        for i in range(1, count):
+            self._start(i)
+        threading.Thread(target=self._watch, name="vqueue-intakes", daemon=True).start()
+
+    def _start(self, i: int) -> None:
+        name = intake_name(self.worker.hostname, i)
+        argv = [
+            sys.executable, "-m", "celery", "-A", "worker.app", "worker",
+            "--pool", "threads", "--concurrency", str(self.worker.concurrency),
+            "--queues", f"{settings.queue},{worker_queue(settings.queue, name)}",
+            "--hostname", name, "--loglevel", logging.getLevelName(self.worker.loglevel),
+            "--task-events", "--without-mingle", "--without-gossip",
+        ]  # fmt: skip
+        self.procs[i] = subprocess.Popen(argv, env=self.env)  # its log is this one's
+        log.info("intake process %s started (pid %d)", name, self.procs[i].pid)
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(1.0):
+            for i, proc in list(self.procs.items()):
+                if proc.poll() is None or self.stopping.is_set():
+                    continue
+                dead = getattr(getattr(state.engine, "frontend", None), "dead", None)
+                if dead:  # the engine is gone: this process exits too, at its next job
+                    return
+                log.error(
+                    "intake process %s exited (code %s); its jobs return after the visibility "
+                    "timeout; starting it again", intake_name(self.worker.hostname, i),
+                    proc.returncode,
+                )  # fmt: skip
+                self._start(i)
+
+    def stop(self) -> None:
+        """Ask each to stop (Celery's warm shutdown: it finishes the jobs it holds)."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                log.error("intake process %d did not stop in time; killing it", proc.pid)
+                proc.kill()
+
+
 class _WorkerState:
     """Process-wide: the engine and the heartbeat that advertises it."""
 
     engine: Any = None
     name: str = ""
     metrics_url: str | None = None
+    intakes: Intakes | None = None
+    intake_of: str | None = None  # the worker whose engine an intake process feeds
     stop = threading.Event()
 
 
@@ -242,11 +321,19 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
     warn_if_redis_may_evict(_store().r, "the result store")
     if settings.broker_url != settings.backend_url():
         warn_if_redis_may_evict(_broker(), "the broker")
+    if settings.frontend:  # an intake process ends with the worker that started it
+        from .vllm_ext.plugin import watch_owner
+
+        watch_owner(os.getppid())
+        state.intake_of = settings.intake_of
     try:
         module, _sep, cls = settings.engine_class.partition(":")
         state.engine = getattr(importlib.import_module(module), cls)(settings)
-        if getattr(state.engine, "plan", None) is not None:
+        if getattr(state.engine, "plan", None) is not None and not settings.frontend:
             metrics.report_plan(state.engine.plan)
+        address = getattr(state.engine, "frontend_address", None)
+        if address and settings.intake_processes > 1:
+            state.intakes = Intakes(sender, settings.intake_processes, address)
     except (ConfigError, FileNotFoundError) as exc:  # the operator's to fix: a line, no trace
         log.error("invalid worker settings: %s; exiting %d", exc, RET_CONFIG)
         os._exit(RET_CONFIG)
@@ -262,9 +349,18 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
     threading.Thread(target=_withdrawals, name="vqueue-withdrawals", daemon=True).start()
 
 
+@signals.worker_shutting_down.connect
+def _stop_intakes(**_: Any) -> None:
+    if state.intakes is not None:  # they finish their jobs while this process finishes its own
+        state.intakes.stop()
+
+
 @signals.worker_shutdown.connect
 def _close_engine(**_: Any) -> None:
     state.stop.set()
+    if state.intakes is not None:
+        state.intakes.stop()
+        state.intakes.wait(settings.job_timeout_s + 30)
     try:
         _store().forget_worker(state.name)
         # what producers routed here and nobody took goes back to the shared queue
@@ -348,6 +444,9 @@ def _heartbeat() -> None:
             "updated_at": time.time(),
             "metrics_url": state.metrics_url,
             "routed": True,  # consumes <queue>@<name>: producers may route jobs to it
+            # one of how many Celery processes feeding one engine; the others name the first
+            "intake_processes": max(settings.intake_processes, 1),
+            "intake_of": state.intake_of,
         }
         stats = getattr(e, "stats", None)
         if stats is not None:

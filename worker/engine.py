@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -30,7 +31,14 @@ from .confidence import (
     marker_token,
     request_args,
 )
-from .frontend import ConfigError, EngineDead, EngineError, FrontendProcess
+from .frontend import (
+    ConfigError,
+    EngineDead,
+    EngineError,
+    FrontendLink,
+    FrontendProcess,
+    connect,
+)
 from .metrics import EngineStats
 from .models import resolve_model
 from .prompts import PromptTokenizer
@@ -78,7 +86,7 @@ class EngineHost:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        check_engine_settings(settings, _has_cuda(), _gpu_count())
+        check_engine_settings(settings, has_cuda(), _gpu_count())
         self.model_path = resolve_model(settings.model)
         self.model_name = settings.served_model_name or settings.model
         self._lock = threading.Lock()
@@ -91,12 +99,22 @@ class EngineHost:
         self.jobs_done = 0
         self.started_at = time.time()
         self._nonce = os.urandom(4).hex()
-        self.stats = EngineStats()
-        self.frontend = FrontendProcess(settings, self.model_path, self.stats.apply)
+        self.stats: EngineStats | None = EngineStats()
+        self.frontend: FrontendLink
+        if settings.frontend:  # an intake process: the engine is the first process's
+            address, _, key = settings.frontend.rpartition("#")
+            self.frontend = connect(address, bytes.fromhex(key))
+            self.stats = None  # the engine's numbers are reported once, by that process
+        else:
+            listen = None
+            if settings.intake_processes > 1:
+                sock = f"vqueue-frontend-{os.getpid()}-{os.urandom(4).hex()}.sock"
+                listen = (os.path.join(tempfile.gettempdir(), sock), os.urandom(16))
+            self.frontend = FrontendProcess(settings, self.model_path, self.stats.apply, listen)
+            metrics.forward_engine_metrics(self.frontend.metrics_text)
         self.plan: Plan | None = self.frontend.plan
         self.tokenizer = self.frontend.tokenizer
         self.prompts = PromptTokenizer(self.tokenizer, self._nonce, settings.tokenizer_threads)
-        metrics.forward_engine_metrics(self.frontend.metrics_text)
         # logprob early stop: the monitor in the engine reports to this board (worker/confidence)
         in_engine = self.plan is not None and self.plan.monitor in IN_ENGINE_MONITOR
         self.board = ConfidenceBoard() if in_engine else None
@@ -237,6 +255,12 @@ class EngineHost:
         event.wait(min(limit, self.settings.prefix_gate_timeout_s))
         return None
 
+    @property
+    def frontend_address(self) -> str | None:
+        """Where this worker's other intake processes reach its frontend (``Settings.frontend``)."""
+        listen = getattr(self.frontend, "listen", None)
+        return f"{listen[0]}#{listen[1].hex()}" if listen else None
+
     def close(self) -> None:
         try:
             self.frontend.close()
@@ -249,7 +273,7 @@ def engine_kwargs(s: Settings, model_path: str) -> dict[str, Any]:
     """vLLM engine arguments from settings; the raw-vLLM benchmark uses the same ones."""
     from vllm.config import StructuredOutputsConfig
 
-    cuda = _has_cuda()
+    cuda = has_cuda()
     kwargs: dict[str, Any] = dict(
         model=model_path,
         served_model_name=s.served_model_name or s.model,
@@ -355,7 +379,7 @@ def _gpu_count() -> int:
         return 0
 
 
-def _has_cuda() -> bool:
+def has_cuda() -> bool:
     try:
         import torch
 
@@ -370,7 +394,7 @@ def check(settings: Settings) -> dict[str, Any]:
     ``ConfigError`` for settings that cannot run here."""
     import torch
 
-    cuda, gpus = _has_cuda(), _gpu_count()
+    cuda, gpus = has_cuda(), _gpu_count()
     check_engine_settings(settings, cuda, gpus)
     model_path = resolve_model(settings.model)
     _, p = configure_engine(settings, engine_kwargs(settings, model_path))

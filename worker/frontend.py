@@ -21,6 +21,12 @@ The wire is one duplex ``multiprocessing`` pipe of pickled tuples:
 
 Either side ending ends the other: the frontend shuts vLLM down when the worker's end of the
 pipe closes, however the worker died, and the worker treats a frontend gone as a dead engine.
+
+A worker with several intake processes (``Settings.intake_processes``) has its frontend also
+listen on a Unix socket: each other process connects (``connect``), gets the same ``ready``,
+and speaks the same messages; its answers go back on its own connection, and a connection
+that closes has its requests aborted. The engine's numbers (``stats``, ``metrics``) are the
+first process's to report.
 """
 
 from __future__ import annotations
@@ -87,22 +93,17 @@ class Output:
 
 
 # ------------------------------------------------------------------------- the worker's end
-class FrontendProcess:
-    """Starts the frontend process, sends it requests and hands each answer to its future.
+class FrontendLink:
+    """The worker's end of one connection to the frontend: sends requests and hands each
+    answer to its future.
 
     Task threads call ``submit`` and wait on the future it returns; one receiver thread reads
-    the pipe. Blocks in the constructor until vLLM is up (or failed: ``ConfigError`` for
-    settings vLLM refuses, ``RuntimeError`` for the rest)."""
+    the connection. Blocks in the constructor until the frontend says it is ready (or failed:
+    ``ConfigError`` for settings vLLM refuses, ``RuntimeError`` for the rest)."""
 
-    def __init__(self, settings: Settings, model_path: str, on_stats: Any = None) -> None:
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no Celery threads
-        self._conn, theirs = ctx.Pipe()
-        # not a daemon: vLLM's frontend starts processes of its own (the engine core)
-        self.process = ctx.Process(
-            target=serve, args=(theirs, settings, model_path), name="vqueue-frontend"
-        )
-        self.process.start()
-        theirs.close()
+    def __init__(self, conn: Any, on_stats: Any = None, process: Any = None) -> None:
+        self._conn = conn
+        self.process = process  # the frontend, when this worker started it
         self._on_stats = on_stats
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -112,19 +113,25 @@ class FrontendProcess:
         _preload()  # while the frontend starts vLLM: what unpickling its tokenizer will import
         first = self._first()
         if first[0] == "failed":
-            self.process.join(30)
+            if process is not None:
+                process.join(30)
             kind, text = first[1], first[2]
             raise (ConfigError if kind == "config" else RuntimeError)(text)
         _, self.plan, self.tokenizer = first
         threading.Thread(target=self._receive, name="vqueue-frontend-rx", daemon=True).start()
 
+    def _watched(self) -> list[Any]:
+        return [self._conn] if self.process is None else [self._conn, self.process.sentinel]
+
     def _first(self) -> tuple[Any, ...]:
-        ready = connection.wait([self._conn, self.process.sentinel])
+        ready = connection.wait(self._watched())
         if self._conn in ready:
             try:
                 return tuple(self._conn.recv())
             except (EOFError, OSError):
                 pass
+        if self.process is None:
+            raise RuntimeError("the engine's frontend closed the connection before it was ready")
         self.process.join(5)
         raise RuntimeError(
             f"the engine process exited (code {self.process.exitcode}) before it was ready"
@@ -175,17 +182,11 @@ class FrontendProcess:
             with self._lock:
                 self._pending.pop(rid, None)
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self) -> None:
         try:
-            self._write(pickle.dumps(("close",)))
-        except EngineDead:
+            self._conn.close()
+        except OSError:
             pass
-        self.process.join(timeout_s)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
-        if self.process.is_alive():
-            self.process.kill()
         self._die("the engine was closed")
 
     def _write(self, data: bytes) -> None:
@@ -211,7 +212,7 @@ class FrontendProcess:
 
     def _receive(self) -> None:
         while True:
-            ready = connection.wait([self._conn, self.process.sentinel])
+            ready = connection.wait(self._watched())
             if self._conn not in ready:
                 break
             try:
@@ -223,6 +224,9 @@ class FrontendProcess:
                     self._dispatch(msg)
                 except Exception:  # one odd message must not stop every job's answers
                     log.exception("frontend message %r not understood", msg[:2])
+        if self.process is None:
+            self._die("the engine's frontend closed the connection (its worker stopped)")
+            return
         self.process.join(5)
         self._die(f"the engine process exited (code {self.process.exitcode})")
 
@@ -268,6 +272,52 @@ class FrontendProcess:
                     pass
 
 
+class FrontendProcess(FrontendLink):
+    """Starts the frontend process and is its first connection. With ``listen`` (a Unix socket
+    path and its key), the frontend also takes connections from the worker's other intake
+    processes (``connect``) and serves them from the same engine."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        model_path: str,
+        on_stats: Any = None,
+        listen: tuple[str, bytes] | None = None,
+    ) -> None:
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no Celery threads
+        conn, theirs = ctx.Pipe()
+        # not a daemon: vLLM's frontend starts processes of its own (the engine core)
+        process = ctx.Process(
+            target=serve, args=(theirs, settings, model_path, listen), name="vqueue-frontend"
+        )
+        process.start()
+        theirs.close()
+        self.listen = listen
+        super().__init__(conn, on_stats, process)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        try:
+            self._write(pickle.dumps(("close",)))
+        except EngineDead:
+            pass
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+        self._die("the engine was closed")
+
+
+def connect(address: str, authkey: bytes) -> FrontendLink:
+    """A connection to another process's frontend (an intake process's way to its engine)."""
+    try:
+        conn = connection.Client(address, family="AF_UNIX", authkey=authkey)
+    except (OSError, multiprocessing.AuthenticationError) as exc:
+        raise EngineDead(f"the engine's frontend at {address} cannot be reached: {exc}") from None
+    return FrontendLink(conn)
+
+
 def _preload() -> None:
     """Import here, while the frontend process builds the engine, what the worker needs once it
     is up (vLLM's tokenizer classes, its sampling parameters): overlapped, not added."""
@@ -286,7 +336,9 @@ def _preload() -> None:
 
 
 # ---------------------------------------------------------------------- the frontend process
-def serve(conn: Any, settings: Settings, model_path: str) -> None:
+def serve(
+    conn: Any, settings: Settings, model_path: str, listen: tuple[str, bytes] | None = None
+) -> None:
     """The frontend process: build vLLM, report ready, serve requests until told to stop or
     until the worker is gone."""
     logging.basicConfig(
@@ -314,15 +366,40 @@ def serve(conn: Any, settings: Settings, model_path: str) -> None:
         log.exception("the vLLM engine failed to start")
         conn.send(("failed", "engine", f"{type(exc).__name__}: {exc}"))
         return
+    if listen is not None:
+        frontend.listen(*listen)
     frontend.run()
 
 
+class _Link:
+    """One worker process's connection, as the frontend sees it: its answers queue here and a
+    sender thread writes them, batched, so that vLLM's loop never blocks on a pipe."""
+
+    def __init__(self, conn: Any, name: str) -> None:
+        self.conn = conn
+        self.name = name
+        self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threading.Thread(target=self._send_loop, name=f"{name}-tx", daemon=True).start()
+
+    def _send_loop(self) -> None:
+        while True:
+            msgs = [self.out.get()]
+            while len(msgs) < SEND_BATCH:
+                try:
+                    msgs.append(self.out.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self.conn.send_bytes(pickle.dumps(msgs, protocol=pickle.HIGHEST_PROTOCOL))
+            except OSError:  # that worker process is gone: its reader sees it too
+                return
+
+
 class Frontend:
-    """vLLM's ``AsyncLLM`` on its own loop thread, fed from the pipe by the main thread and
-    answering through a sender thread, so that the loop itself never blocks on the pipe."""
+    """vLLM's ``AsyncLLM`` on its own loop thread, fed by a reader thread per connection (the
+    worker's pipe, and the intake processes' sockets) and answering through sender threads."""
 
     def __init__(self, conn: Any, settings: Settings, model_path: str) -> None:
-        self.conn = conn
         self.settings = settings
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="vllm-loop")
@@ -332,17 +409,18 @@ class Frontend:
         self._lock = threading.Lock()
         self._admissions: list[tuple[int, int, str, tuple[Any, ...]]] = []
         self._waiting: set[str] = set()  # in ``_admissions`` and not aborted
+        self._owner: dict[str, _Link] = {}  # each request's connection, until its answer
         self._arrivals = itertools.count()
         self._admitting = False
         self._tasks: dict[str, asyncio.Task[Output]] = {}
-        self._out: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.engine, plan = self._call(self._build(model_path))
+        self.engine, self.plan = self._call(self._build(model_path))
         tokenizer = self.engine.get_tokenizer()
         if asyncio.iscoroutine(tokenizer):  # vLLM < 0.30 made it a coroutine
             tokenizer = self._call(tokenizer)
+        self.tokenizer = tokenizer
         # vLLM's cached tokenizer pickles (vLLM sends it to its own processes the same way)
-        conn.send(("ready", plan, tokenizer))
-        threading.Thread(target=self._send_loop, name="vqueue-frontend-tx", daemon=True).start()
+        conn.send(("ready", self.plan, tokenizer))
+        self.main = _Link(conn, "vqueue-frontend")
         self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._report()))
 
     def _call(self, coro: Any) -> Any:
@@ -376,26 +454,41 @@ class Frontend:
             await engine.do_log_stats()
 
     async def _report(self) -> None:
-        while True:
-            self._out.put(("stats", self.stats.totals()))
+        while True:  # the worker that started this process keeps the engine's gauges
+            self.main.out.put(("stats", self.stats.totals()))
             await asyncio.sleep(STATS_EVERY_S)
+
+    def listen(self, address: str, authkey: bytes) -> None:
+        """Take the worker's intake processes' connections (``connect``) on a Unix socket
+        only they know the key of; each gets the tokenizer and its own reader and sender."""
+        listener = connection.Listener(address, family="AF_UNIX", authkey=authkey)
+        log.info("serving the worker's intake processes on %s", address)
+
+        def accept() -> None:
+            for n in itertools.count(1):
+                try:
+                    conn = listener.accept()
+                    conn.send(("ready", self.plan, self.tokenizer))
+                except (OSError, EOFError, multiprocessing.AuthenticationError) as exc:
+                    log.warning("an intake connection failed: %s", exc)
+                    continue
+                link = _Link(conn, f"vqueue-intake-{n}")
+                threading.Thread(target=self._serve_intake, args=(link,), daemon=True).start()
+
+        threading.Thread(target=accept, name="vqueue-frontend-listen", daemon=True).start()
+
+    def _serve_intake(self, link: _Link) -> None:
+        self._read(link)
+        with self._lock:
+            mine = [rid for rid, owner in self._owner.items() if owner is link]
+        for rid in mine:  # nobody waits for these any more
+            self._abort(rid)
+        log.warning("an intake process disconnected; %d of its requests aborted", len(mine))
 
     def run(self) -> None:
         """Read the worker's messages until it closes us or goes away, then stop vLLM."""
         try:
-            while True:
-                msg = pickle.loads(self.conn.recv_bytes())
-                kind = msg[0]
-                if kind == "gen":
-                    self._enqueue(msg[1], msg[2:])
-                elif kind == "abort":
-                    self._abort(msg[1])
-                elif kind == "metrics":
-                    self._out.put(("metrics", msg[1], _exposition()))
-                elif kind == "close":
-                    break
-        except (EOFError, OSError):
-            log.warning("the worker is gone; stopping the engine")
+            self._read(self.main)
         finally:
             try:
                 self.engine.shutdown()
@@ -403,13 +496,36 @@ class Frontend:
                 self.loop.call_soon_threadsafe(self.loop.stop)
                 self._thread.join(timeout=10)
 
-    def _enqueue(self, rid: str, args: tuple[Any, ...]) -> None:
+    def _read(self, link: _Link) -> None:
+        try:
+            while True:
+                msg = pickle.loads(link.conn.recv_bytes())
+                kind = msg[0]
+                if kind == "gen":
+                    self._enqueue(link, msg[1], msg[2:])
+                elif kind == "abort":
+                    self._abort(msg[1])
+                elif kind == "metrics":
+                    link.out.put(("metrics", msg[1], _exposition()))
+                elif kind == "close":
+                    return
+        except (EOFError, OSError):
+            log.warning("%s: its worker process is gone", link.name)
+
+    def _reply(self, rid: str, msg: tuple[Any, ...], last: bool = True) -> None:
+        with self._lock:
+            link = self._owner.pop(rid, None) if last else self._owner.get(rid)
+        if link is not None:
+            link.out.put(msg)
+
+    def _enqueue(self, link: _Link, rid: str, args: tuple[Any, ...]) -> None:
         """Start requests on the loop by priority (higher first), then in arrival order,
         ``ADMIT_PER_TICK`` at a time: on a busy GPU the loop falls behind, and a plain
         ``call_soon_threadsafe`` would join the end of its callback queue, where a priority-9
         job waited 5 s behind ~400 bulk requests (vLLM's scheduler showing Waiting 0)."""
         priority = args[3]
         with self._lock:
+            self._owner[rid] = link
             heapq.heappush(self._admissions, (-priority, next(self._arrivals), rid, args))
             self._waiting.add(rid)
             if self._admitting:
@@ -435,6 +551,7 @@ class Frontend:
         with self._lock:
             if rid in self._waiting:  # not started yet: it never will be
                 self._waiting.discard(rid)
+                self._owner.pop(rid, None)
                 return
         self.loop.call_soon_threadsafe(self._cancel, rid)
 
@@ -446,25 +563,12 @@ class Frontend:
     def _finished(self, rid: str, task: asyncio.Task[Output]) -> None:
         self._tasks.pop(rid, None)
         if task.cancelled():
-            self._out.put(("error", rid, "cancelled", ""))
+            self._reply(rid, ("error", rid, "cancelled", ""))
         elif (exc := task.exception()) is not None:
             kind = "dead" if isinstance(exc, EngineDead) else "engine"
-            self._out.put(("error", rid, kind, str(exc)))
+            self._reply(rid, ("error", rid, kind, str(exc)))
         else:
-            self._out.put(("done", rid, task.result()))
-
-    def _send_loop(self) -> None:
-        while True:
-            msgs = [self._out.get()]
-            while len(msgs) < SEND_BATCH:
-                try:
-                    msgs.append(self._out.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                self.conn.send_bytes(pickle.dumps(msgs, protocol=pickle.HIGHEST_PROTOCOL))
-            except OSError:  # the worker is gone: run() sees it too and stops vLLM
-                return
+            self._reply(rid, ("done", rid, task.result()))
 
     async def _generate(
         self,
@@ -497,7 +601,7 @@ class Frontend:
                 {"prompt_token_ids": prompt_ids}, params, rid, priority=order
             ):
                 if final is None and lead:
-                    self._out.put(("first", rid))
+                    self._reply(rid, ("first", rid), last=False)
                 final = out
                 if rule is not None:
                     delta = out.outputs[0]
