@@ -406,8 +406,18 @@ def _fleet_status(client: Any, as_json: bool) -> str:
     if as_json:
         return json.dumps({"queues": depths, "workers": workers})
     lines = [f"queue {q}: {d} waiting" for q, d in depths.items()]
-    lines.append(f"{len(workers)} live worker(s)")
+    intakes = sum(bool(w.get("intake_of")) for w in workers)
+    lines.append(
+        f"{len(workers) - intakes} live worker(s)"
+        + (f", fed by {intakes} more intake process(es)" if intakes else "")
+    )
     for w in workers:
+        if w.get("intake_of"):  # a Celery process feeding another worker's engine
+            lines.append(
+                f"  {w['name']}  intake of {w['intake_of']}"
+                f" in_flight={w['in_flight']}/{w['concurrency']} done={w['jobs_done']}"
+            )
+            continue
         up = time.time() - (w.get("started_at") or time.time())
         kv = w.get("kv_cache_usage")
         lines.append(

@@ -50,8 +50,11 @@ class Router:
     def workers(self) -> dict[str, int]:
         if time.monotonic() - self._seen > 2.0:
             live = [w for w in self.store.workers() if w.get("queue") == self.queue]
+            # one routed queue per engine: a worker's intake processes all consume it, each
+            # holding a share of what the engine holds
             self._workers = {
-                w["name"]: self.spill or max(int(w.get("concurrency") or 1), 1)
+                w["name"]: self.spill
+                or max(int(w.get("concurrency") or 1), 1) * int(w.get("intake_processes") or 1)
                 for w in live
                 if w.get("routed")
             }

@@ -649,6 +649,9 @@ def test_intake_processes_share_one_engine_and_end_with_the_worker(
 
     wait_for(lambda: intake in registered(), 180, "the second intake process")
     assert registered()[intake]["intake_of"] == w.node
+    shown = _cli("status", url=fault_redis.url).stdout.decode()
+    assert "1 live worker(s), fed by 1 more intake process(es)" in shown, shown
+    assert f"{intake}  intake of {w.node}" in shown, shown
     # When a batch runs
     jobs = [{"id": f"s{i}", "type": "summarize", "text": f"Story number {i}.", "max_tokens": 24,
              "min_tokens": 24, "ignore_eos": True} for i in range(24)]  # fmt: skip

@@ -223,7 +223,8 @@ def intake_name(hostname: str, i: int) -> str:
 
 class Intakes:
     """The worker's other intake processes: Celery workers of their own (consumer, task threads,
-    tokenizer, heartbeat, routed queue) whose jobs run on this process's engine, reached through
+    tokenizer, heartbeat) that consume this one's routed queue and the shared one, and whose
+    jobs run on this process's engine, reached through
     its frontend's socket. One Celery consumer takes in about 250 jobs a second, fewer than an
     H200 finishes short jobs; several, feeding one engine, do not share a GIL. The first process
     starts them once the engine is up, starts one again if it dies while the engine lives, and
@@ -249,7 +250,8 @@ class Intakes:
         argv = [
             sys.executable, "-m", "celery", "-A", "worker.app", "worker",
             "--pool", "threads", "--concurrency", str(self.worker.concurrency),
-            "--queues", f"{settings.queue},{worker_queue(settings.queue, name)}",
+            # prefix routing sends a prefix's jobs to one engine: its processes share its queue
+            "--queues", f"{settings.queue},{worker_queue(settings.queue, self.worker.hostname)}",
             "--hostname", name, "--loglevel", logging.getLevelName(self.worker.loglevel),
             "--task-events", "--without-mingle", "--without-gossip",
         ]  # fmt: skip
@@ -443,7 +445,9 @@ def _heartbeat() -> None:
             "started_at": e.started_at if e else None,
             "updated_at": time.time(),
             "metrics_url": state.metrics_url,
-            "routed": True,  # consumes <queue>@<name>: producers may route jobs to it
+            # consumes <queue>@<name>: producers may route jobs to it (an intake process
+            # consumes its first process's instead)
+            "routed": not state.intake_of,
             # one of how many Celery processes feeding one engine; the others name the first
             "intake_processes": max(settings.intake_processes, 1),
             "intake_of": state.intake_of,
