@@ -12,23 +12,22 @@
 # sums it by process and by stack.
 set -u
 OUT=${OUT:-/tmp/out}
+WORKERS=${WORKERS:-4}
 mkdir -p "$OUT/profile"
 redis-server --daemonize yes --port 6379 --save "" >/dev/null || true
 timeout "${RUN_S:-240}" python3 -m benchmarks.gpu_priority --model /tmp/models/qwen05 \
   --out "$OUT/profile" --bulk "${BULK:-3000}" --policies priority >"$OUT/profile/run.log" 2>&1 &
 RUN=$!
-for _ in $(seq 120); do  # the worker's process, as soon as it exists
-  WPID=$(pgrep -f "producer.cli worker|celery.*worker" | head -1) && [ -n "$WPID" ] && break
-  sleep 0.5
-done
 # The worker takes 85-135 s to start there (py-spy attached from its start saw only imports,
 # 2026-12-01): wait for the heartbeats of the worker and its intake processes (WORKERS, 4 by
 # default on a GPU), then let the bulk batch get going, then sample it.
 for _ in $(seq 600); do
-  [ "$(redis-cli --scan --pattern '*:worker:*' | wc -l)" -ge "${WORKERS:-4}" ] && break
+  python3 -c "import redis, sys; sys.exit(len(list(redis.Redis().scan_iter('*:worker:*'))) < $WORKERS)" \
+    && break  # (the device kit has redis-server, not redis-cli)
   sleep 0.5
 done
 sleep "${LAG_S:-6}"
+WPID=$(pgrep -o -f "producer.cli worker|celery.*worker")  # the oldest: the first process
 py-spy record --pid "$WPID" --subprocesses --gil --nonblocking --rate "${RATE:-50}" \
   --duration "${DUR_S:-20}" --format raw -o "$OUT/profile/gil.txt" >"$OUT/profile/py-spy.log" 2>&1
 wait $RUN

@@ -849,7 +849,11 @@ def worker(
 
         intakes = s.intake_count(has_cuda())
     if intakes > 1:  # each Celery process holds its share of what the engine holds
+        import tempfile
+
         env["VQUEUE_INTAKE_PROCESSES"] = str(intakes)
+        # their job metrics meet here and are served from the first one's port (worker.metrics)
+        env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vqueue-metrics-")
         env["VQUEUE_CONCURRENCY"] = str(ws.intake_concurrency(intakes))
         ws = ws.model_copy(update={"concurrency": ws.intake_concurrency(intakes)})
     from celery.utils.nodenames import host_format

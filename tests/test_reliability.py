@@ -661,6 +661,16 @@ def test_intake_processes_share_one_engine_and_end_with_the_worker(
     ran = Counter(r.worker for r in client.store.iter_all(batch))
     assert set(ran) == {w.node, intake} and min(ran.values()) >= 2, ran
     figures = _exactly_once(client, batch, 24)
+    # and the worker's one metrics port counts every job, whichever process ran it
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    page = urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10)
+    families = {f.name: f for f in text_string_to_metric_families(page.read().decode())}
+    done = families["vqueue_jobs_completed"].samples
+    assert sum(x.value for x in done if x.labels.get("type") == "summarize") == 24, done
+    assert any(name.startswith("vllm:") for name in families)
     tree = psutil.Process(w.proc.pid).children(recursive=True)
     cores = [p for p in tree if "EngineCore" in " ".join(p.cmdline()) + p.name()]
     assert len(cores) == 1, [p.cmdline()[:3] for p in tree]

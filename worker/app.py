@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -271,6 +272,9 @@ class Intakes:
                     "timeout; starting it again", intake_name(self.worker.hostname, i),
                     proc.returncode,
                 )  # fmt: skip
+                from . import metrics
+
+                metrics.process_gone(proc.pid)
                 self._start(i)
 
     def stop(self) -> None:
@@ -363,6 +367,11 @@ def _close_engine(**_: Any) -> None:
     if state.intakes is not None:
         state.intakes.stop()
         state.intakes.wait(settings.job_timeout_s + 30)
+        from . import metrics
+
+        shared = metrics.multiprocess_dir()
+        if shared and os.path.basename(shared).startswith("vqueue-metrics-"):
+            shutil.rmtree(shared, ignore_errors=True)  # `vqueue worker` made it for this run
     try:
         _store().forget_worker(state.name)
         # what producers routed here and nobody took goes back to the shared queue

@@ -290,7 +290,14 @@ class FrontendProcess(FrontendLink):
         process = ctx.Process(
             target=serve, args=(theirs, settings, model_path, listen), name="vqueue-frontend"
         )
-        process.start()
+        # vLLM's metrics in the frontend are its own registry's, fetched per scrape: keep them
+        # out of the intake processes' shared metrics files (``worker.metrics.serve``)
+        shared = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        try:
+            process.start()
+        finally:
+            if shared is not None:
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = shared
         theirs.close()
         self.listen = listen
         super().__init__(conn, on_stats, process)

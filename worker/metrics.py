@@ -4,7 +4,9 @@ Job metrics are recorded by the task after each result is stored. Engine metrics
 stat logger (``EngineStats``), which vLLM calls with the scheduler's own counters after every
 engine step, so they cost nothing per token and need no polling. vLLM runs in the worker's
 frontend process, which sends those numbers every second; its own ``vllm:*`` metrics are fetched
-from there at each scrape and served on the same port.
+from there at each scrape and served on the same port. A worker's intake processes (several
+Celery processes feeding one engine) share their job metrics through prometheus_client's
+multiprocess mode, and its first process serves the sum (``serve``).
 
 Names follow Prometheus conventions: ``vqueue_`` prefix, base units (seconds), ``_total`` for
 counters, ratios in 0..1; rates (tokens/s, prefix-cache hit rate) are left to PromQL.
@@ -13,6 +15,7 @@ counters, ratios in 0..1; rates (tokens/s, prefix-cache hit rate) are left to Pr
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +23,7 @@ from typing import Any
 
 from prometheus_client import (
     REGISTRY,
+    CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
@@ -90,11 +94,23 @@ LOW_CONFIDENCE = Counter(
     "Jobs whose returned output held the low-confidence rule (flagged, not aborted)",
     ["type"],
 )
-IN_FLIGHT = Gauge("vqueue_jobs_in_flight", "Jobs inside the engine now")
+# With several intake processes (``serve``): in flight sums the live ones; the engine's gauges
+# are set by the first process alone, the others hold 0.
+IN_FLIGHT = Gauge(
+    "vqueue_jobs_in_flight", "Jobs inside the engine now", multiprocess_mode="livesum"
+)
 
-ENGINE_RUNNING = Gauge("vqueue_engine_running_requests", "Requests the engine is running")
-ENGINE_WAITING = Gauge("vqueue_engine_waiting_requests", "Requests waiting for engine admission")
-KV_CACHE_USAGE = Gauge("vqueue_engine_kv_cache_usage_ratio", "Share of KV-cache blocks in use")
+ENGINE_RUNNING = Gauge(
+    "vqueue_engine_running_requests", "Requests the engine is running", multiprocess_mode="max"
+)
+ENGINE_WAITING = Gauge(
+    "vqueue_engine_waiting_requests",
+    "Requests waiting for engine admission",
+    multiprocess_mode="max",
+)
+KV_CACHE_USAGE = Gauge(
+    "vqueue_engine_kv_cache_usage_ratio", "Share of KV-cache blocks in use", multiprocess_mode="max"
+)
 ENGINE_PROMPT_TOKENS = Counter(
     "vqueue_engine_prompt_tokens_total", "Prompt tokens processed by the engine"
 )
@@ -111,19 +127,37 @@ ENGINE_INFO = Gauge(
     "vqueue_engine_info",
     "The engine's vLLM and which of vqueue's optimizations run on it (docs/vllm-compat.md)",
     ["vllm", "model_runner", "monitor", "guided_batching", "grammar_reuse", "mask_reorder"],
+    multiprocess_mode="max",
 )
 ENGINE_DEGRADED = Gauge(
     "vqueue_engine_degraded",
     "Optimizations the settings want that this vLLM release could not take (0: none)",
+    multiprocess_mode="max",
 )
 
 
+# what the /metrics endpoint serves: this process's metrics, or (with several intake processes)
+# all of the worker's, which prometheus_client's multiprocess mode keeps in PROMETHEUS_MULTIPROC_DIR
+_exposed: CollectorRegistry = REGISTRY
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
 def serve(port: int, host: str = "0.0.0.0") -> str | None:
-    """Start the /metrics endpoint; a taken port is logged, not fatal: the jobs matter more."""
+    """Start the /metrics endpoint; a taken port is logged, not fatal: the jobs matter more.
+    A worker with several intake processes serves them all from its first one's port."""
+    global _exposed
     if port <= 0:
         return None
+    if multiprocess_dir():
+        from prometheus_client import multiprocess
+
+        _exposed = CollectorRegistry()
+        multiprocess.MultiProcessCollector(_exposed)
     try:
-        start_http_server(port, addr=host)
+        start_http_server(port, addr=host, registry=_exposed)
     except OSError as exc:
         log.error("metrics endpoint not started on %s:%d: %s", host, port, exc)
         return None
@@ -151,7 +185,15 @@ class _EngineMetrics:
 
 
 def forward_engine_metrics(fetch: Callable[[], str | None]) -> None:
-    REGISTRY.register(_EngineMetrics(fetch))
+    _exposed.register(_EngineMetrics(fetch))
+
+
+def process_gone(pid: int) -> None:
+    """An intake process ended: its live gauges (jobs in flight) no longer count."""
+    if multiprocess_dir():
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)
 
 
 def observe(result: JobResult) -> None:
