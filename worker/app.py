@@ -225,11 +225,11 @@ def intake_name(hostname: str, i: int) -> str:
 class Intakes:
     """The worker's other intake processes: Celery workers of their own (consumer, task threads,
     tokenizer, heartbeat) that consume this one's routed queue and the shared one, and whose
-    jobs run on this process's engine, reached through
-    its frontend's socket. One Celery consumer takes in about 250 jobs a second, fewer than an
-    H200 finishes short jobs; several, feeding one engine, do not share a GIL. The first process
-    starts them once the engine is up, starts one again if it dies while the engine lives, and
-    stops them when it stops; they exit if it dies (``watch_owner``)."""
+    jobs run on this process's engine, reached through its frontend's socket. One Celery
+    consumer takes in about 250 jobs a second, fewer than an H200 finishes short jobs; several,
+    feeding one engine, do not share a GIL. The first process starts them once the engine is
+    up, starts one again if it dies while the engine lives, and stops them when it stops; they
+    exit if it dies (``watch_owner``)."""
 
     def __init__(self, worker: Any, count: int, frontend: str) -> None:
         self.worker = worker
@@ -242,6 +242,7 @@ class Intakes:
         )
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.stopping = threading.Event()
+        self._lock = threading.Lock()  # no start once stopping
         for i in range(1, count):
             self._start(i)
         threading.Thread(target=self._watch, name="vqueue-intakes", daemon=True).start()
@@ -256,7 +257,10 @@ class Intakes:
             "--hostname", name, "--loglevel", logging.getLevelName(self.worker.loglevel),
             "--task-events", "--without-mingle", "--without-gossip",
         ]  # fmt: skip
-        self.procs[i] = subprocess.Popen(argv, env=self.env)  # its log is this one's
+        with self._lock:
+            if self.stopping.is_set():
+                return
+            self.procs[i] = subprocess.Popen(argv, env=self.env)  # its log is this one's
         log.info("intake process %s started (pid %d)", name, self.procs[i].pid)
 
     def _watch(self) -> None:
@@ -279,9 +283,10 @@ class Intakes:
 
     def stop(self) -> None:
         """Ask each to stop (Celery's warm shutdown: it finishes the jobs it holds)."""
-        if self.stopping.is_set():
-            return
-        self.stopping.set()
+        with self._lock:
+            if self.stopping.is_set():
+                return
+            self.stopping.set()
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
