@@ -807,7 +807,7 @@ def worker(
     With a GPU, four Celery processes take jobs in for the engine (VQUEUE_INTAKE_PROCESSES);
     the first starts the engine and the others, and stops them when it stops.
 
-    Extra arguments go to 'celery worker' unchanged.
+    Extra arguments go to the first process's 'celery worker' unchanged.
     """
     s = obj.settings
     env = dict(os.environ)
