@@ -95,6 +95,16 @@ def _in_flight(client: Client, batch: str) -> int:
     return int(client.store.r.hlen(client.store.key(batch, "attempts"))) - _done(client, batch)
 
 
+def _running(p: Any) -> bool:
+    """A psutil process still running (a zombie is not)."""
+    import psutil
+
+    try:
+        return bool(p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _cli(*args: str, url: str, timeout: float = 120, **env: str) -> Any:
     return subprocess.run(
         [sys.executable, "-m", "producer.cli", *args],
@@ -611,14 +621,8 @@ def test_kill_9_of_a_real_worker_leaves_no_engine_behind(
 
     # Then none of its engine's processes survives 10 s (they hold the memory a restarted
     # worker needs: on a GPU, the card's)
-    def running(p: Any) -> bool:
-        try:
-            return bool(p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
-        except psutil.NoSuchProcess:
-            return False
-
     def all_gone() -> bool:
-        return not any(running(p) for p in engine)
+        return not any(_running(p) for p in engine)
 
     wait_for(all_gone, 10, "the engine's processes to exit")
     # and the restarted worker finishes the batch, each job once
@@ -682,13 +686,7 @@ def test_intake_processes_share_one_engine_and_end_with_the_worker(
     w.kill9()
 
     # Then its intake process and its engine's processes are gone within 10 s
-    def running(p: Any) -> bool:
-        try:
-            return bool(p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
-        except psutil.NoSuchProcess:
-            return False
-
-    wait_for(lambda: not any(running(p) for p in tree), 10, "the intake and engine to exit")
+    wait_for(lambda: not any(_running(p) for p in tree), 10, "the intake and engine to exit")
     # and the next worker (the fake engine: queue mechanics from here) finishes it, once each
     procs.fake_worker("in2", fault_redis.url, delay=0.05, concurrency=4)
     wait_for(lambda: _done(client, second) >= 12, 120, "the batch on the next worker")

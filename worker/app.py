@@ -308,7 +308,6 @@ class _WorkerState:
     name: str = ""
     metrics_url: str | None = None
     intakes: Intakes | None = None
-    intake_of: str | None = None  # the worker whose engine an intake process feeds
     stop = threading.Event()
 
 
@@ -336,7 +335,6 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
         from .vllm_ext.plugin import watch_owner
 
         watch_owner(os.getppid())
-        state.intake_of = settings.intake_of
     try:
         module, _sep, cls = settings.engine_class.partition(":")
         state.engine = getattr(importlib.import_module(module), cls)(settings)
@@ -461,10 +459,10 @@ def _heartbeat() -> None:
             "metrics_url": state.metrics_url,
             # consumes <queue>@<name>: producers may route jobs to it (an intake process
             # consumes its first process's instead)
-            "routed": not state.intake_of,
+            "routed": not settings.intake_of,
             # one of how many Celery processes feeding one engine; the others name the first
             "intake_processes": max(settings.intake_processes, 1),
-            "intake_of": state.intake_of,
+            "intake_of": settings.intake_of or None,
         }
         stats = getattr(e, "stats", None)
         if stats is not None:
