@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import TypeAdapter
 
@@ -104,6 +104,52 @@ def launch_worker(
     return proc, log, time.perf_counter() - t0
 
 
+class Stamps(NamedTuple):
+    """One job's wall clocks through the system (None: not reported): queued in Redis
+    (enqueued to started), building its prompt (to submitted, when vLLM took it), in the
+    engine's queue (to scheduled), prefill (to the first token), then generating. Raw rows have
+    no Redis and no prompt to build: enqueued, started and their clock's start coincide."""
+
+    enqueued: float | None = None
+    started: float | None = None
+    submitted: float | None = None
+    scheduled: float | None = None
+    first: float | None = None
+    finished: float | None = None
+    ttft_first: float | None = None  # raw rows: the first attempt's first token
+
+    @classmethod
+    def of(cls, t: Any) -> Stamps:
+        return cls(t.enqueued_at, t.started_at, t.submitted_at, t.scheduled_at,
+                   t.first_token_at, t.finished_at)  # fmt: skip
+
+
+PHASES = {  # row key: (from, to)
+    "queue_wait_p50_s": ("enqueued", "started"),
+    "prompt_build_p50_s": ("started", "submitted"),
+    "engine_wait_p50_s": ("submitted", "scheduled"),
+    "prefill_p50_s": ("scheduled", "first"),
+    "generating_p50_s": ("first", "finished"),
+}
+
+
+def phases(stamps: list[Stamps], t0: float) -> dict[str, Any]:
+    """Where the jobs' time went, per phase (medians), and the batch's shape on the clock of its
+    run (seconds from its start): when the first and last job reached the engine, and when the
+    last finished. A queue that feeds the engine later than a raw caller shows as a later
+    ``last_submitted_s``; the rest is the same engine doing the same work."""
+
+    def span(a: str, b: str) -> list[float]:
+        return [getattr(x, b) - getattr(x, a) for x in stamps if getattr(x, a) and getattr(x, b)]
+
+    subs = [x.submitted for x in stamps if x.submitted]
+    out: dict[str, Any] = {k: pct(span(a, b), 50) for k, (a, b) in PHASES.items()}
+    out["first_submitted_s"] = min(subs) - t0 if subs else None
+    out["last_submitted_s"] = max(subs) - t0 if subs else None
+    out["last_result_s"] = max((x.finished or t0) for x in stamps) - t0
+    return out
+
+
 def pct(xs: list[float], p: float) -> float | None:
     if not xs:
         return None
@@ -111,24 +157,37 @@ def pct(xs: list[float], p: float) -> float | None:
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
-def build(model: str, scale: float, names: list[str]) -> dict[str, list[dict[str, Any]]]:
+def build(
+    model: str, scale: float, names: list[str], scale_of: dict[str, float] | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """The workloads' jobs: at ``scale`` (1.0: mixed 1,000, prefix 800, long 200, long32k 40,
+    json 500), or a workload's own scale in ``scale_of``."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
     t = wl.TextMaker(lambda s: len(tok.encode(s, add_special_tokens=False)))
     small = scale < 0.1  # a CPU check: short documents, or it takes hours
+    scale_of = scale_of or {}
 
-    def n(x: int) -> int:
-        return max(3, round(x * scale))
+    def maker(name: str) -> list[dict[str, Any]]:
+        k = scale_of.get(name, scale)
 
-    makers = {
-        "mixed": lambda: wl.mixed(t, n(1000)),
-        "prefix": lambda: wl.prefix_heavy(t, prefixes=max(2, n(25)), per_prefix=max(2, n(32))),
-        "long": lambda: wl.long_context(t, n(200), in_tokens=1500 if small else 8000),
-        "long32k": lambda: wl.long_context(t, n(40), in_tokens=3000 if small else 32000),
-        "json": lambda: wl.json_heavy(t, n(500)),
-    }
-    return {k: makers[k]() for k in names}
+        def n(x: int) -> int:
+            return max(3, round(x * k))
+
+        if name == "mixed":
+            return wl.mixed(t, n(1000))
+        if name == "prefix":
+            return wl.prefix_heavy(t, prefixes=max(2, n(25)), per_prefix=max(2, n(32)))
+        if name == "long":
+            return wl.long_context(t, n(200), in_tokens=1500 if small else 8000)
+        if name == "long32k":
+            return wl.long_context(t, n(40), in_tokens=3000 if small else 32000)
+        if name == "json":
+            return wl.json_heavy(t, n(500))
+        raise SystemExit(f"unknown workload {name!r}")
+
+    return {k: maker(k) for k in names}
 
 
 def warmup(scale: float) -> list[dict[str, Any]]:
@@ -287,14 +346,14 @@ class RawEngines:
         )
 
     def _online(self, name: str, rnd: int, prep: list) -> dict[str, Any]:
-        from worker.frontend import _first_token_at
+        from worker.frontend import _arrived_at, _first_token_at, _scheduled_at
         from worker.runner import _wants_json, sampling_params
 
         room = self.settings.max_model_len
 
-        async def one(job: Any, ids: list[int], n: int, t0: float) -> tuple[int, float | None, int]:
+        async def one(job: Any, ids: list[int], n: int) -> tuple[int, int, Stamps]:
             tokens, retried = 0, 0
-            first = None
+            first_first: float | None = None
             for attempt in (0, 1):
                 final = None
                 async for out in self.engine.generate(
@@ -303,20 +362,27 @@ class RawEngines:
                     final = out
                 assert final is not None
                 tokens += len(final.outputs[0].token_ids)
-                at = _first_token_at(final)
-                first = first if first is not None or at is None else at - t0
+                # the returned attempt's engine stamps, as a vqueue result carries them
+                st = Stamps(
+                    submitted=_arrived_at(final),
+                    scheduled=_scheduled_at(final),
+                    first=_first_token_at(final),
+                    finished=time.time(),
+                )
+                first_first = st.first if attempt == 0 else first_first  # TTFT: as before
                 cut = final.outputs[0].finish_reason == "length"
                 if attempt or not (_wants_json(job) and cut and room - len(ids) > n):
                     break
                 n, retried = min(2 * n, room - len(ids)), 1
-            return tokens, first, retried
+            return tokens, retried, st._replace(ttft_first=first_first)
 
-        async def everything(t0: float) -> list[tuple[int, float | None, int]]:
-            return await asyncio.gather(*(one(j, ids, n, t0) for j, _, ids, n in prep))
+        async def everything() -> list[tuple[int, int, Stamps]]:
+            return await asyncio.gather(*(one(j, ids, n) for j, _, ids, n in prep))
 
-        t = time.perf_counter()
-        res = self._call(everything(time.time()))
+        t, t0 = time.perf_counter(), time.time()
+        res = self._call(everything())
         wall = time.perf_counter() - t
+        stamps = [r[2] for r in res]
         return row(
             name,
             "raw AsyncLLM",
@@ -325,8 +391,9 @@ class RawEngines:
             len(res),
             sum(r[0] for r in res),
             sum(len(ids) for _, _, ids, _ in prep),
-            [r[1] for r in res if r[1]],
-            retried=sum(r[2] for r in res),
+            [x.ttft_first - t0 for x in stamps if x.ttft_first],
+            retried=sum(r[1] for r in res),
+            **phases([x._replace(enqueued=t0, started=t0) for x in stamps], t0),
         )
 
 
@@ -445,16 +512,7 @@ class Vqueue:
             for x in res
             if x.timings.first_token_at
         ]
-        wait = [(x.timings.started_at or 0) - x.timings.enqueued_at for x in res]
-        # where a job's time went: queued in Redis, from its start to its first token (prompt
-        # building, waiting in the engine, prefill), then generating; and the batch's tail
-        tm = [x.timings for x in res if x.timings.first_token_at and x.timings.started_at]
-        parts = {
-            "to_first_token_p50_s": pct([t.first_token_at - t.started_at for t in tm], 50),
-            "generating_p50_s": pct([(t.finished_at or 0) - t.first_token_at for t in tm], 50),
-            "last_result_s": max((x.timings.finished_at or 0) for x in res) - t_wall0,
-            "first_start_s": min((x.timings.started_at or 1e18) for x in res) - t_wall0,
-        }
+        parts = phases([Stamps.of(x.timings) for x in res], t_wall0)
         generated = sum(x.usage.completion_tokens + x.usage.wasted_tokens for x in res)
         return row(
             name,
@@ -467,7 +525,6 @@ class Vqueue:
             ttft,
             failed=len(res) - len(done),
             submit_s=submit_s,
-            queue_wait_p50_s=pct(wait, 50),
             retried=sum(1 for x in res if x.usage.wasted_tokens),
             errors=sorted({x.error.type for x in res if x.error}),
             **parts,
@@ -529,9 +586,8 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
                     r["ratio_vs_raw"] for r in rs if "ratio_vs_raw" in r
                 )
                 summary["ratio_min"] = min(r["ratio_vs_raw"] for r in rs if "ratio_vs_raw" in r)
-                summary["queue_wait_p50_s"] = statistics.median(
-                    r.get("queue_wait_p50_s") or 0 for r in rs
-                )
+            for k in (*PHASES, "first_submitted_s", "last_submitted_s", "last_result_s"):
+                summary[k] = _median(r.get(k) for r in rs)
             out.append(summary)
     return out, problems
 
@@ -541,9 +597,29 @@ def _median(xs: Any) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _f(x: Any, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def breakdown(summary: list[dict[str, Any]]) -> str:
+    """Where the time went, per row (medians over rounds of per-round medians, seconds): the
+    phases of a job, then when the last job reached the engine and the last result came."""
+    lines = [
+        "| workload | system | Redis wait | prompt build | engine queue | prefill | generating "
+        "| first / last job in the engine | last result |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        cells = " | ".join(_f(s.get(k), ".3f") for k in PHASES)
+        lines.append(
+            f"| {s['workload']} | {s['system']} | {cells} | {_f(s.get('first_submitted_s'), '.3f')}"
+            f" / {_f(s.get('last_submitted_s'), '.3f')} | {_f(s.get('last_result_s'))} |"
+        )
+    return "\n".join(lines)
+
+
 def table(summary: list[dict[str, Any]]) -> str:
-    def f(x: Any, fmt: str = ".2f") -> str:
-        return "-" if x is None else format(x, fmt)
+    f = _f
 
     lines = [
         "| workload | system | jobs | rounds | jobs/s | output tok/s | generated tokens | "
@@ -566,7 +642,7 @@ def write(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[
     summary, problems = summarize(rows)
     doc = {"meta": meta, "summary": summary, "rows": rows, "equal_work_failures": problems}
     (out / "suite.json").write_text(json.dumps(doc, indent=2))
-    text = table(summary)
+    text = table(summary) + "\n\n" + breakdown(summary)
     (out / "suite.md").write_text(text + "\n")
     return text, problems
 
@@ -577,6 +653,11 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply job counts")
+    ap.add_argument(
+        "--scale-of",
+        default="",
+        help="a workload's own scale, e.g. prefix=2,long32k=1 (the rest: --scale)",
+    )
     ap.add_argument("--workloads", default="mixed,prefix,long,long32k,json")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
@@ -618,7 +699,8 @@ def main() -> None:
         return serve_raw(a)
     began = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    loads = build(a.model, a.scale, a.workloads)
+    scale_of = {k: float(v) for k, v in (x.split("=") for x in a.scale_of.split(",") if x)}
+    loads = build(a.model, a.scale, a.workloads, scale_of)
     (out / "workloads.json").write_text(json.dumps(loads))
     meta: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -4,6 +4,7 @@
 #     bash benchmarks/gpu_suite.sh small   # Qwen2.5-0.5B shape: mixed, prefix, long, long32k, json
 #     bash benchmarks/gpu_suite.sh 7b      # Qwen2.5-7B shape (dummy weights): mixed, long
 # Results under $OUT (suite-*/suite.json, suite.md, the logs).
+# SCALE multiplies every workload's job count, SCALE_OF one's (prefix=2,long32k=1).
 # SYSTEMS picks a subset (LLM.chat, the slower raw path on every workload, costs a minute of
 # engine start and a third of each round): SYSTEMS="raw AsyncLLM,vqueue".
 set -u
@@ -15,7 +16,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$OUT/gpu-$1.
 case "$1" in
 small)
   python3 -m benchmarks.gpu_suite --model /tmp/models/qwen05 --out "$OUT/suite-05b" \
-    --rounds 3 --scale "${SCALE:-0.6}" --budget-s "${BUDGET:-470}" --systems "$SYSTEMS" ;;
+    --rounds 3 --scale "${SCALE:-0.6}" --scale-of "${SCALE_OF:-}" --budget-s "${BUDGET:-470}" \
+    --systems "$SYSTEMS" ;;
 7b)
   python3 -m benchmarks.shapes qwen2.5-7b /tmp/models/qwen7b --tokenizer /tmp/models/qwen25-tokenizer
   python3 -m benchmarks.gpu_suite --model /tmp/models/qwen7b --load-format dummy \

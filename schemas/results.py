@@ -81,10 +81,17 @@ class Attempt(BaseModel):
 
 
 class Timings(BaseModel):
-    """Wall-clock epoch seconds; ``first_token_at`` is None where the engine did not report it."""
+    """Wall-clock epoch seconds of a job's way through a worker: queued in Redis until
+    ``started_at``, building its prompt (input limits, chat template, tokenizing) until
+    ``submitted_at``, waiting in the engine's scheduler until ``scheduled_at``, prefill until
+    ``first_token_at``, then generating until ``finished_at``. The three engine stamps are the
+    returned attempt's (a job run again has the earlier attempts before ``submitted_at``) and
+    None where the engine did not report them."""
 
     enqueued_at: float
     started_at: float | None = None
+    submitted_at: float | None = None
+    scheduled_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
 

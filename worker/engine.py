@@ -76,6 +76,8 @@ class Generation:
     completion_tokens: int
     first_token_at: float | None  # wall clock, from the engine's own request stats
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    submitted_at: float | None = None  # wall clock: vLLM received the prompt
+    scheduled_at: float | None = None  # wall clock: the engine first scheduled it
     aborted: bool = False  # the confidence monitor stopped it (logprob early stop)
     confidence: Reading | None = None  # the monitor's numbers, when it watched this request
 
@@ -219,6 +221,8 @@ class EngineHost:
             completion_tokens=tokens,
             first_token_at=out.first_token_at,
             cached_tokens=out.cached_tokens,
+            submitted_at=out.arrived_at,
+            scheduled_at=out.scheduled_at,
             aborted=aborted,
             confidence=reading,
         )

@@ -88,6 +88,8 @@ class Output:
     completion_tokens: int
     first_token_at: float | None  # wall clock, from the engine's own request stats
     cached_tokens: int
+    arrived_at: float | None = None  # wall clock: vLLM's frontend received the prompt
+    scheduled_at: float | None = None  # wall clock: the engine first scheduled it
     aborted: bool = False  # the logprob rule stopped it (the path without the monitor)
     reading: Reading | None = None  # the rule's numbers, on that path
 
@@ -641,6 +643,8 @@ class Frontend:
             completion_tokens=tokens,
             first_token_at=_first_token_at(final),
             cached_tokens=int(getattr(final, "num_cached_tokens", 0) or 0),
+            arrived_at=_arrived_at(final),
+            scheduled_at=_scheduled_at(final),
             aborted=aborted,
             reading=reading,
         )
@@ -666,3 +670,21 @@ def _first_token_at(final: Any) -> float | None:
     if stats is not None and getattr(stats, "first_token_latency", None):
         return float(stats.arrival_time + stats.first_token_latency)
     return None
+
+
+def _arrived_at(final: Any) -> float | None:
+    """Wall clock at which vLLM's frontend took the request (its ``arrival_time``)."""
+    at = getattr(getattr(final, "metrics", None), "arrival_time", 0)
+    return float(at) if at else None
+
+
+def _scheduled_at(final: Any) -> float | None:
+    """Wall clock at which the engine first scheduled the request: its arrival plus the time it
+    waited in the scheduler's queue. The engine core stamps ``queued_ts`` and ``scheduled_ts``
+    on its own monotonic clock (vLLM's ``RequestStateStats``, 0.26 through 0.33), so only their
+    difference crosses to the frontend's wall clock; the hop between the two processes (well
+    under a millisecond) is left out."""
+    stats = getattr(final, "metrics", None)
+    at = getattr(stats, "arrival_time", 0)
+    queued, scheduled = getattr(stats, "queued_ts", 0), getattr(stats, "scheduled_ts", 0)
+    return float(at + max(scheduled - queued, 0.0)) if at and queued and scheduled else None

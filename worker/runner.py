@@ -132,7 +132,9 @@ def run_job(
             wasted_tokens=cut
             + sum(a.tokens for a in result.attempts if a.reason in ("low_confidence", "loop")),
         )
-        result.timings.first_token_at = gen.first_token_at
+        t = result.timings
+        t.submitted_at, t.scheduled_at = gen.submitted_at, gen.scheduled_at
+        t.first_token_at = gen.first_token_at
         _read_output(job, gen.text, gen.finish_reason, result, max_tokens, cut)
     except (JobFailed, SchemaRefused) as exc:
         result.status = "failed"
