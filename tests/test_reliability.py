@@ -780,6 +780,41 @@ def test_role_markers_in_job_text_stay_text() -> None:
     assert render(tok, plain) == tok.encode(whole, add_special_tokens=False)
 
 
+def test_prompts_built_on_many_threads_at_once_come_out_as_built_alone() -> None:
+    # Given the real tokenizer, and prompts whose job text carries role markers (to stay text)
+    # around a template whose own markers must stay special tokens. transformers flips one flag
+    # on its shared Rust tokenizer before each encode: built from several task threads at once,
+    # prompts came out with markers spelled out or opened by the job's text.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    from worker.models import prepare_embedded
+    from worker.prompts import PromptTokenizer, render
+
+    tok = AutoTokenizer.from_pretrained(prepare_embedded())
+    chats = [[{"role": "system", "content": "Summarize."},
+              {"role": "user", "content": INJECTION * (1 + i % 3) + " filler words" * (i * 20)}]
+             for i in range(8)]  # fmt: skip
+    alone = [render(tok, c) for c in chats]
+    literal = [tok.encode(c[1]["content"], add_special_tokens=False, split_special_tokens=True)
+               for c in chats]  # fmt: skip
+    prompts = PromptTokenizer(tok, threads=8)
+
+    # When eight threads build them, and encode the texts alone, 400 times in all
+    def build(i: int) -> bool:
+        c = i % len(chats)
+        if i % 2:
+            return prompts.chat_prompt(chats[c]) == alone[c]
+        return prompts.encode(chats[c][1]["content"]) == literal[c]
+
+    with ThreadPoolExecutor(8) as pool:
+        same = list(pool.map(build, range(400)))
+
+    # Then every one is what it is when built alone
+    assert same.count(False) == 0, f"{same.count(False)} of 400 came out different"
+
+
 def test_a_chat_template_that_refuses_system_turns_gets_them_folded() -> None:
     # Given the real tokenizer with a template that refuses a system turn (as Gemma's does:
     # Jinja raises TemplateError, which used to escape the worker and lose the job)
