@@ -882,7 +882,7 @@ def worker(
         name,
         "--loglevel",
         loglevel,
-        "--task-events",
+        *(["--task-events"] if ws.task_events else []),  # else Flower turns them on
         "--without-mingle",
         "--without-gossip",
         *celery_args,

@@ -118,6 +118,10 @@ class Settings(BaseSettings):
     # adds N, so one worker per GPU on a host gets its own port.
     metrics_port: int = Field(default=9808, ge=0, le=65535)
     metrics_host: str = "0.0.0.0"
+    # Celery task events (received, started, succeeded) from the start. Off, a monitor turns
+    # them on when it watches (Flower does every 5 s): each job's three events were 29% of a
+    # consumer thread's time on the H200 (docs/benchmarks.md).
+    task_events: bool = False
 
     # how often Python hands the GIL between the worker's threads (worker/app.py); Python's own
     # 5 ms makes every Redis round trip wait behind vLLM's frontend loop

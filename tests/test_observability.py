@@ -24,6 +24,7 @@ from .conftest import (
     Procs,
     WorkerProc,
     free_port,
+    make_settings,
     require,
     run_cli,
     wait_for,
@@ -69,6 +70,19 @@ def flower(worker: WorkerProc, module_procs: Procs) -> str:
         "Flower to see the worker",
         interval=1,
     )
+    # The worker starts without task events (VQUEUE_TASK_EVENTS off); Flower turns them on
+    # (enable_events every 5 s). Until a one-token probe job shows in Flower, they are not on.
+    probe = Client(make_settings(worker.queue))
+    tries = iter(range(1000))
+
+    def probe_listed() -> bool:
+        batch = probe.submit_many([{"id": f"probe{next(tries)}", "type": "summarize",
+                                    "text": "Hi.", "max_tokens": 1}])  # fmt: skip
+        batch.wait(timeout=120)
+        tasks = _get_json(f"{url}/api/tasks?limit=1000", FLOWER_AUTH) or {}
+        return any(k.startswith(batch.id + ":") for k in tasks)
+
+    wait_for(probe_listed, 90, "Flower to turn the worker's task events on", interval=2)
     return url
 
 

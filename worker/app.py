@@ -103,6 +103,46 @@ def guard_closed_channels() -> None:
     kombu_redis.QoS.append = append  # type: ignore[method-assign]
 
 
+def reuse_broker_clients() -> None:
+    """One redis-py client per kombu channel and pool, instead of a new one per command.
+
+    kombu's Redis channel builds a ``redis.Redis`` around its pool for every command it sends
+    outside the consumer's own connection: recording each job as unacknowledged, acknowledging
+    it, publishing each task event. ``Redis.__init__`` fills a dict of ~200 response callbacks
+    each time. On the H200, with short jobs, building them took 18% of an intake process's
+    consumer thread (benchmarks/gpu_intake.py's profile, docs/benchmarks.md). A client is a
+    thin, thread-safe wrapper around its pool, so the channel keeps the one it built while its
+    pool stays the same; a reconnect makes a new pool, and with it a new client.
+
+    Same kombu versions as ``guard_closed_channels``; elsewhere the worker logs and runs stock.
+    """
+    import kombu
+    from kombu.transport import redis as kombu_redis
+
+    if not kombu.__version__.startswith(KOMBU_VERIFIED):
+        log.error(
+            "kombu %s is not one broker client reuse was checked on (%s); running without it",
+            kombu.__version__, ", ".join(KOMBU_VERIFIED),
+        )  # fmt: skip
+        return
+    channel = kombu_redis.Channel
+    if getattr(channel._create_client, "__vqueue__", False):
+        return
+    stock = channel._create_client
+
+    def _create_client(self: Any, asynchronous: bool = False) -> Any:
+        if asynchronous:
+            return stock(self, asynchronous)
+        pool = self.pool  # a closed channel raises here, as stock does (guard_closed_channels)
+        kept = self.__dict__.get("_vqueue_client")
+        if kept is None or kept.connection_pool is not pool:
+            kept = self._vqueue_client = stock(self)
+        return kept
+
+    _create_client.__vqueue__ = True  # type: ignore[attr-defined]
+    channel._create_client = _create_client  # type: ignore[method-assign]
+
+
 class Limbo:
     """Jobs kombu took off their list that Redis never saw recorded as unacknowledged.
 
@@ -201,8 +241,9 @@ def create_app(settings: Settings | None = None) -> Celery:
         },
         broker_connection_retry_on_startup=True,
         result_expires=s.result_ttl_s,
-        # Flower's view: sent/started events and per-type task names.
-        worker_send_task_events=True,
+        # Flower's view: per-type task names, and task events once Flower turns them on (it
+        # broadcasts enable_events every 5 s) or from the start with VQUEUE_TASK_EVENTS.
+        worker_send_task_events=s.task_events,
         task_send_sent_event=True,
         task_track_started=True,
         worker_hijack_root_logger=False,
@@ -213,6 +254,7 @@ def create_app(settings: Settings | None = None) -> Celery:
 settings = get_settings()
 app = create_app(settings)
 guard_closed_channels()
+reuse_broker_clients()
 app.conf.imports = ("worker.tasks",)
 
 
@@ -255,7 +297,8 @@ class Intakes:
             # prefix routing sends a prefix's jobs to one engine: its processes share its queue
             "--queues", f"{settings.queue},{worker_queue(settings.queue, self.worker.hostname)}",
             "--hostname", name, "--loglevel", logging.getLevelName(self.worker.loglevel),
-            "--task-events", "--without-mingle", "--without-gossip",
+            *(["--task-events"] if settings.task_events else []),
+            "--without-mingle", "--without-gossip",
         ]  # fmt: skip
         with self._lock:
             if self.stopping.is_set():
