@@ -30,6 +30,9 @@ _job_adapter: TypeAdapter[Any] = TypeAdapter(Job)
 # Jobs per Redis pipeline flush: large enough to amortize round trips, small enough to stream;
 # and a byte bound, so a chunk of long documents stays a reasonable request.
 PUBLISH_CHUNK = 1000
+# the first chunk: small, so workers start on it while the rest is validated and sent (800
+# jobs took 0.1 s to submit on the H200 host, and none reached a worker before the last)
+PUBLISH_FIRST = 32
 PUBLISH_CHUNK_BYTES = 16 * 1024 * 1024
 
 
@@ -262,8 +265,10 @@ class Client:
         self.store.create(batch_id, "vqueue", source, queue=self.settings.queue)
         chunk: list[Envelope] = []
         size = skipped = 0
-        # a chunk never outgrows the queue-depth limit, or it could never be admitted
-        chunk_jobs = min(PUBLISH_CHUNK, self.settings.max_queue_depth or PUBLISH_CHUNK)
+        # a chunk never outgrows the queue-depth limit, or it could never be admitted; chunks
+        # grow from PUBLISH_FIRST to PUBLISH_CHUNK, doubling
+        cap = min(PUBLISH_CHUNK, self.settings.max_queue_depth or PUBLISH_CHUNK)
+        chunk_jobs = min(PUBLISH_FIRST, cap)
         for item in jobs:
             env = self._envelope(item, batch_id)
             chunk.append(env)
@@ -273,6 +278,7 @@ class Client:
                 if on_progress:
                     on_progress(len(chunk))
                 chunk, size = [], 0
+                chunk_jobs = min(2 * chunk_jobs, cap)
         if chunk:
             skipped += self._publish(chunk, batch_id, force)
             if on_progress:

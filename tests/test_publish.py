@@ -91,3 +91,31 @@ def test_a_result_stored_while_the_reader_waits_is_never_skipped(redis_client: r
         store.delete(batch)
     # Then the result is among them
     assert [r.id for r in got] == ["j1"]
+
+
+def test_a_batch_reaches_the_queue_while_it_is_still_being_submitted(
+    redis_client: redis.Redis,
+) -> None:
+    # Given a producer handed 2,000 jobs one at a time (a big file read as it goes)
+    from producer import Client
+    from producer.publish import queue_keys
+
+    queue = f"vqtest-{RUN}-stream"
+    client = Client(make_settings(queue))
+    lists = queue_keys(queue)
+    waiting_at: list[int] = []
+
+    def jobs():  # type: ignore[no-untyped-def]
+        for i in range(2000):
+            if i == 100:  # what a worker could already take
+                waiting_at.append(sum(redis_client.llen(k) for k in lists))
+            yield {"id": f"j{i}", "type": "summarize", "text": f"Text {i}."}
+
+    # When they are submitted
+    batch = client.submit_many(jobs())
+
+    # Then the first jobs were in the queue before the 100th was even read, and all arrive
+    assert waiting_at[0] >= 32, waiting_at
+    assert sum(redis_client.llen(k) for k in lists) == 2000
+    assert batch.status().total == 2000
+    redis_client.delete(*lists)
