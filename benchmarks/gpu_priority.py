@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import threading
 import time
 import uuid
@@ -62,7 +63,7 @@ def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, A
     rows = []
     try:
         list(client.submit_many(bulk()[: min(64, a.bulk)]).results(timeout=600))  # warm
-        for stream in (False, True):
+        for rnd, stream in [(r, x) for r in range(1, a.rounds + 1) for x in (False, True)]:
             done = threading.Event()
             urgent: list[Any] = []
 
@@ -112,6 +113,7 @@ def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, A
             ]
             row = {
                 "policy": policy,
+                "round": rnd,
                 "interactive_stream": stream,
                 "bulk_jobs": len(res),
                 "bulk_failed": sum(r.status != "completed" for r in res),
@@ -143,6 +145,9 @@ def main() -> None:
     ap.add_argument("--bulk", type=int, default=2000)
     ap.add_argument("--rate", type=float, default=2.0, help="interactive jobs per second")
     ap.add_argument("--policies", default="priority,fcfs")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="bulk alone, then with the stream, this many times"
+    )
     ap.add_argument("--kv-cache-bytes", type=int, default=0)
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--timeout", type=float, default=600)
@@ -171,6 +176,21 @@ def main() -> None:
             f"{r['interactive_jobs']} | {f(r['ttft_p50_s'])} / {f(r['ttft_p99_s'])} | "
             f"{f(r['latency_p50_s'])} / {f(r['latency_p99_s'])} |"
         )
+    # bulk with the stream against bulk alone, round by round (each pair back to back)
+    for policy in a.policies.split(","):
+        pairs = [
+            (x["bulk_jobs_per_s"], y["bulk_jobs_per_s"])
+            for x in rows
+            for y in rows
+            if x["policy"] == y["policy"] == policy
+            and x["round"] == y["round"]
+            and not x["interactive_stream"]
+            and y["interactive_stream"]
+        ]
+        if pairs:
+            kept = statistics.median(b / a_ for a_, b in pairs)
+            print(f"{policy}: bulk kept {kept:.1%} of its throughput with the stream "
+                  f"(median of {len(pairs)} paired rounds)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
 # Writes $OUT/profile/gil.txt (py-spy's raw collapsed stacks: one line per stack, the process
 # and thread first, then the frames, then the sample count);
 #     python3 -m benchmarks.gil_profile $OUT/profile/gil.txt
-# sums it by process and by stack.
+# sums it by process and by stack; $OUT/profile/wall.txt (one intake process, all threads, idle
+# included) by thread with --by-thread.
 set -u
 OUT=${OUT:-/tmp/out}
 WORKERS=${WORKERS:-4}
@@ -30,5 +31,9 @@ sleep "${LAG_S:-6}"
 WPID=$(pgrep -o -f "producer.cli worker|celery.*worker")  # the oldest: the first process
 py-spy record --pid "$WPID" --subprocesses --gil --nonblocking --rate "${RATE:-50}" \
   --duration "${DUR_S:-20}" --format raw -o "$OUT/profile/gil.txt" >"$OUT/profile/py-spy.log" 2>&1
+# then one intake process, every thread, waiting included: where its consumer's wall clock goes
+IPID=$(pgrep -n -f "celery.*-intake1@")
+[ -n "$IPID" ] && py-spy record --pid "$IPID" --idle --threads --nonblocking --rate "${RATE:-50}" \
+  --duration "${WALL_S:-10}" --format raw -o "$OUT/profile/wall.txt" >>"$OUT/profile/py-spy.log" 2>&1
 wait $RUN
 tail -5 "$OUT/profile/run.log"

@@ -1,0 +1,159 @@
+"""How fast a worker takes jobs in, by intake processes, and where an intake process's time goes.
+
+    python -m benchmarks.gpu_intake --model /tmp/models/qwen05 --out $OUT/intake \
+        [--intakes 4,8] [--tiny 12000] [--profile tiny|prefix]
+
+Per intake count (``VQUEUE_INTAKE_PROCESSES``) one worker, and on it:
+
+- the suite's prefix batch (800 jobs, 25 shared documents, 128 output tokens): wall, and when
+  its last job reached the engine (the ramp a raw caller does not have);
+- ``--tiny`` jobs of ~50 prompt tokens and one output token: the engine finishes them as fast as
+  they come, so their jobs/s is the queue path's own ceiling (consumer, task threads, results).
+
+With ``--profile tiny`` or ``prefix`` (py-spy on PATH), py-spy samples that run: GIL holders
+over the worker and all its processes (``gil-<n>.txt``), then, over the same jobs again, one
+intake process's threads, waiting included (``wall-<n>.txt``); ``python3 -m
+benchmarks.gil_profile`` sums them. Prints a table and writes intake.json after each worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from benchmarks import plugin_env
+from schemas import Settings
+
+from . import workloads as wl
+from .gpu_suite import Stamps, launch_worker, phases, stop
+
+
+def timed(client: Any, jobs: list[dict[str, Any]], timeout: float) -> dict[str, Any]:
+    t, t_wall0 = time.perf_counter(), time.time()
+    res = list(client.submit_many(jobs).results(timeout=timeout))
+    wall = time.perf_counter() - t
+    return {
+        "jobs": len(res),
+        "failed": sum(r.status != "completed" for r in res),
+        "wall_s": wall,
+        "jobs_per_s": len(res) / wall,
+        **phases([Stamps.of(r.timings) for r in res], t_wall0),
+    }
+
+
+def spy(pid: int, args: list[str], out: Path, seconds: float) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["py-spy", "record", "--pid", str(pid), "--nonblocking", "--rate", "50",
+         "--duration", str(int(seconds)), "--format", "raw", "-o", str(out), *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def run(a: argparse.Namespace, intakes: int, t: wl.TextMaker) -> dict[str, Any]:
+    from producer import Client
+
+    tag = uuid.uuid4().hex[:6]
+    env = dict(
+        plugin_env(),
+        VQUEUE_BROKER_URL=a.redis,
+        VQUEUE_QUEUE=f"intake-{tag}",
+        VQUEUE_KEY_PREFIX=f"intake-{tag}",
+        VQUEUE_MODEL=a.model,
+        VQUEUE_MAX_MODEL_LEN="4096",
+        VQUEUE_HEARTBEAT_S="1",
+        VQUEUE_INTAKE_PROCESSES=str(intakes),
+    )
+    out = Path(a.out)
+    name = f"intake-{tag}@gpu"
+    proc, fh, start_s = launch_worker(name, env, out / f"worker-{intakes}.log", a.redis)
+    client = Client(
+        Settings(
+            _env_file=None,
+            broker_url=a.redis,
+            queue=env["VQUEUE_QUEUE"],
+            key_prefix=env["VQUEUE_KEY_PREFIX"],
+        )  # fmt: skip
+    )
+    row: dict[str, Any] = {"intake_processes": intakes, "worker_start_s": start_s}
+    try:
+        warm = wl.mixed(t, max(3, round(64 * a.scale)))  # CUDA graphs, allocators
+        timed(client, warm, a.timeout)
+        k = a.scale
+        prefix = wl.prefix_heavy(t, max(2, round(25 * k)), max(2, round(32 * k)))
+        one = {"max_tokens": 1, "min_tokens": 1, "ignore_eos": True}
+        tiny = [
+            {"id": f"t{i}", "type": "summarize", "text": t.tokens(50), **one} for i in range(a.tiny)
+        ]
+        for what, jobs in (("prefix", prefix), ("tiny", tiny)):
+            if not jobs:
+                continue
+            if what != a.profile or not shutil.which("py-spy"):
+                row[what] = timed(client, jobs, a.timeout)
+                continue
+            # GIL holders over every process; then, over the same jobs again, one intake
+            # process's threads, idle included (where its consumer's wall clock goes)
+            s = spy(proc.pid, ["--subprocesses", "--gil"], out / f"gil-{intakes}.txt", a.profile_s)
+            row[what] = timed(client, jobs, a.timeout)
+            s.wait()
+            intake = subprocess.run(
+                ["pgrep", "-n", "-f", f"hostname {name.split('@')[0]}-intake1@"],
+                capture_output=True, text=True,
+            ).stdout.split()  # fmt: skip
+            if intake:
+                s = spy(int(intake[0]), ["--idle", "--threads"], out / f"wall-{intakes}.txt",
+                        a.profile_s)  # fmt: skip
+                row[f"{what}_again"] = timed(client, jobs, a.timeout)
+                s.wait()
+    finally:
+        stop(proc, fh, 120)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--intakes", default="4")
+    ap.add_argument("--tiny", type=int, default=12000)
+    ap.add_argument("--scale", type=float, default=1.0, help="the prefix batch's size (CPU: 0.1)")
+    ap.add_argument(
+        "--profile", choices=["prefix", "tiny"], help="sample this run with py-spy (on PATH)"
+    )
+    ap.add_argument("--profile-s", type=float, default=12, help="each py-spy recording's length")
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    ap.add_argument("--timeout", type=float, default=600)
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    t = wl.TextMaker(lambda s: len(tok.encode(s, add_special_tokens=False)))
+    rows: list[dict[str, Any]] = []
+    for n in (int(x) for x in a.intakes.split(",")):
+        rows.append(run(a, n, t))
+        print(json.dumps(rows[-1]), flush=True)
+        (out / "intake.json").write_text(json.dumps(rows, indent=2))
+
+    def f(x: Any, fmt: str = ".2f") -> str:
+        return "-" if x is None else format(x, fmt)
+
+    print("| intake processes | prefix jobs/s | prefix: last job in the engine s | prefix wall s "
+          "| tiny jobs/s | tiny again jobs/s |\n|---|---|---|---|---|---|")  # fmt: skip
+    for r in rows:
+        p, ti, again = r.get("prefix", {}), r.get("tiny", {}), r.get("tiny_again", {})
+        print(
+            f"| {r['intake_processes']} | {f(p.get('jobs_per_s'), '.1f')} | "
+            f"{f(p.get('last_submitted_s'))} | {f(p.get('wall_s'))} | "
+            f"{f(ti.get('jobs_per_s'), '.0f')} | {f(again.get('jobs_per_s'), '.0f')} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
