@@ -4,9 +4,10 @@
 
 With ``--gil`` a sample is taken only from the thread holding its process's GIL, so a process's
 samples over the recording's ``rate x duration`` say how busy its interpreter was, and its top
-stacks say with what. ``benchmarks/gpu_profile.sh`` records one on the H200, and a second of
-one intake process with ``--idle --threads`` (every thread, waiting included): ``--by-thread``
-sums that one by thread, which says where Celery's consumer thread spends its wall clock.
+stacks say with what. ``benchmarks/gpu_intake.py --profile`` records one on the H200, and a
+second of one intake process with ``--idle --threads`` (every thread, waiting included):
+``--by-thread`` sums that one by thread, which says where Celery's consumer thread spends its
+wall clock.
 """
 
 from __future__ import annotations

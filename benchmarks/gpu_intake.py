@@ -13,7 +13,9 @@ Per intake count (``VQUEUE_INTAKE_PROCESSES``) one worker, and on it:
 With ``--profile tiny`` or ``prefix`` (py-spy on PATH), py-spy samples that run: GIL holders
 over the worker and all its processes (``gil-<n>.txt``), then, over the same jobs again, one
 intake process's threads, waiting included (``wall-<n>.txt``); ``python3 -m
-benchmarks.gil_profile`` sums them. Prints a table and writes intake.json after each worker.
+benchmarks.gil_profile`` sums them (on the device kit: copy the py-spy binary from its manylinux
+wheel, ``py_spy-*.data/scripts/py-spy``, into ``.gpu/b/bin``). Prints a table and writes
+intake.json after each worker.
 """
 
 from __future__ import annotations
