@@ -25,15 +25,11 @@ import json
 import shutil
 import subprocess
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks import plugin_env
-from schemas import Settings
-
 from . import workloads as wl
-from .gpu_suite import Stamps, launch_worker, phases, stop
+from .gpu_suite import Stamps, own_worker, phases, stop
 
 
 def timed(client: Any, jobs: list[dict[str, Any]], timeout: float) -> dict[str, Any]:
@@ -58,30 +54,10 @@ def spy(pid: int, args: list[str], out: Path, seconds: float) -> subprocess.Pope
 
 
 def run(a: argparse.Namespace, intakes: int, t: wl.TextMaker) -> dict[str, Any]:
-    from producer import Client
-
-    tag = uuid.uuid4().hex[:6]
-    env = dict(
-        plugin_env(),
-        VQUEUE_BROKER_URL=a.redis,
-        VQUEUE_QUEUE=f"intake-{tag}",
-        VQUEUE_KEY_PREFIX=f"intake-{tag}",
-        VQUEUE_MODEL=a.model,
-        VQUEUE_MAX_MODEL_LEN="4096",
-        VQUEUE_HEARTBEAT_S="1",
-        VQUEUE_INTAKE_PROCESSES=str(intakes),
-    )
     out = Path(a.out)
-    name = f"intake-{tag}@gpu"
-    proc, fh, start_s = launch_worker(name, env, out / f"worker-{intakes}.log", a.redis)
-    client = Client(
-        Settings(
-            _env_file=None,
-            broker_url=a.redis,
-            queue=env["VQUEUE_QUEUE"],
-            key_prefix=env["VQUEUE_KEY_PREFIX"],
-        )  # fmt: skip
-    )
+    w = own_worker("intake", a.model, a.redis, out / f"worker-{intakes}.log",
+                   VQUEUE_MAX_MODEL_LEN="4096", VQUEUE_INTAKE_PROCESSES=str(intakes))  # fmt: skip
+    proc, fh, start_s, client, name = w
     row: dict[str, Any] = {"intake_processes": intakes, "worker_start_s": start_s}
     try:
         warm = wl.mixed(t, max(3, round(64 * a.scale)))  # CUDA graphs, allocators
@@ -107,11 +83,10 @@ def run(a: argparse.Namespace, intakes: int, t: wl.TextMaker) -> dict[str, Any]:
                 ["pgrep", "-n", "-f", f"hostname {name.split('@')[0]}-intake1@"],
                 capture_output=True, text=True,
             ).stdout.split()  # fmt: skip
-            if intake:
-                s = spy(int(intake[0]), ["--idle", "--threads"], out / f"wall-{intakes}.txt",
-                        a.profile_s)  # fmt: skip
-                row[f"{what}_again"] = timed(client, jobs, a.timeout)
-                s.wait()
+            pid = int(intake[0]) if intake else proc.pid  # one process: the worker's own
+            s = spy(pid, ["--idle", "--threads"], out / f"wall-{intakes}.txt", a.profile_s)
+            row[f"{what}_again"] = timed(client, jobs, a.timeout)
+            s.wait()
     finally:
         stop(proc, fh, 120)
     return row
@@ -133,10 +108,7 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(a.model)
-    t = wl.TextMaker(lambda s: len(tok.encode(s, add_special_tokens=False)))
+    t = wl.TextMaker.of_model(a.model)
     rows: list[dict[str, Any]] = []
     for n in (int(x) for x in a.intakes.split(",")):
         rows.append(run(a, n, t))

@@ -16,42 +16,19 @@ import json
 import statistics
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks import plugin_env
-from schemas import Settings
-
 from . import workloads as wl
-from .gpu_suite import launch_worker, pct, stop
+from .gpu_suite import own_worker, pct, stop
 
 
 def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, Any]]:
-    from producer import Client
-
-    tag = uuid.uuid4().hex[:6]
-    env = dict(
-        plugin_env(),
-        VQUEUE_BROKER_URL=a.redis,
-        VQUEUE_QUEUE=f"prio-{tag}",
-        VQUEUE_KEY_PREFIX=f"prio-{tag}",
-        VQUEUE_MODEL=a.model,
-        VQUEUE_MAX_MODEL_LEN="4096",
-        VQUEUE_HEARTBEAT_S="1",
-        VQUEUE_SCHEDULING_POLICY=policy,
-    )
+    env = dict(VQUEUE_MAX_MODEL_LEN="4096", VQUEUE_SCHEDULING_POLICY=policy)
     if a.kv_cache_bytes:
         env["VQUEUE_KV_CACHE_MEMORY_BYTES"] = str(a.kv_cache_bytes)
     log = Path(a.out) / f"worker-{policy}.log"
-    proc, fh, start_s = launch_worker(f"prio-{tag}@gpu", env, log, a.redis, "-l", "WARNING")
-    s = Settings(
-        _env_file=None,
-        broker_url=a.redis,
-        queue=env["VQUEUE_QUEUE"],
-        key_prefix=env["VQUEUE_KEY_PREFIX"],
-    )
-    client = Client(s)
+    proc, fh, start_s, client, _ = own_worker("prio", a.model, a.redis, log, "-l", "WARNING", **env)
     out_tokens = {"max_tokens": 128, "min_tokens": 128, "ignore_eos": True}
 
     def bulk() -> list[dict[str, Any]]:  # fresh texts each run: nothing cached by the last
@@ -154,10 +131,7 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(a.model)
-    t = wl.TextMaker(lambda s: len(tok.encode(s, add_special_tokens=False)))
+    t = wl.TextMaker.of_model(a.model)
     rows: list[dict[str, Any]] = []
     for policy in a.policies.split(","):
         rows += run(a, policy, t)

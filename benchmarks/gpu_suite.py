@@ -104,6 +104,37 @@ def launch_worker(
     return proc, log, time.perf_counter() - t0
 
 
+class OwnWorker(NamedTuple):
+    proc: subprocess.Popen
+    log: Any
+    start_s: float
+    client: Any  # producer.Client
+    name: str
+
+
+def own_worker(
+    kind: str, model: str, redis_url: str, log_path: Path, *args: str, **env: str
+) -> OwnWorker:
+    """A ``vqueue worker`` serving ``model`` on a queue and key prefix of its own
+    (``<kind>-<random>``), ``env`` added to its environment, and a producer for it; returns
+    once it is up (``launch_worker``)."""
+    from producer import Client
+
+    tag = f"{kind}-{uuid.uuid4().hex[:8]}"
+    full = dict(
+        plugin_env(),
+        VQUEUE_BROKER_URL=redis_url,
+        VQUEUE_QUEUE=tag,
+        VQUEUE_KEY_PREFIX=tag,
+        VQUEUE_MODEL=model,
+        VQUEUE_HEARTBEAT_S="1",
+        **env,
+    )
+    proc, log, start_s = launch_worker(f"{tag}@gpu", full, log_path, redis_url, *args)
+    client = Client(Settings(_env_file=None, broker_url=redis_url, queue=tag, key_prefix=tag))
+    return OwnWorker(proc, log, start_s, client, f"{tag}@gpu")
+
+
 class Stamps(NamedTuple):
     """One job's wall clocks through the system (None: not reported): queued in Redis
     (enqueued to started), building its prompt (to submitted, when vLLM took it), in the
@@ -162,10 +193,7 @@ def build(
 ) -> dict[str, list[dict[str, Any]]]:
     """The workloads' jobs: at ``scale`` (1.0: mixed 1,000, prefix 800, long 200, long32k 40,
     json 500), or a workload's own scale in ``scale_of``."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
-    t = wl.TextMaker(lambda s: len(tok.encode(s, add_special_tokens=False)))
+    t = wl.TextMaker.of_model(model)
     small = scale < 0.1  # a CPU check: short documents, or it takes hours
     scale_of = scale_of or {}
 
@@ -465,18 +493,9 @@ class RawChild:
 class Vqueue:
     """A worker on the same GPU, and the producer that feeds it."""
 
-    def __init__(self, a: argparse.Namespace, env: dict[str, str]) -> None:
-        from producer import Client
-
-        run = uuid.uuid4().hex[:8]
+    def __init__(self, a: argparse.Namespace) -> None:
         env = dict(
-            env,
-            VQUEUE_BROKER_URL=a.redis,
-            VQUEUE_QUEUE=f"bench-{run}",
-            VQUEUE_KEY_PREFIX=f"bench-{run}",
-            VQUEUE_MODEL=a.model,
             VQUEUE_MAX_MODEL_LEN=str(a.max_model_len),
-            VQUEUE_HEARTBEAT_S="1",
             VQUEUE_GPU_MEMORY_UTILIZATION=str(a.gpu_memory_utilization),
             VQUEUE_LOAD_FORMAT=a.load_format,
             # raw vLLM has no loop retry, and random weights loop: equal work needs it off here
@@ -487,17 +506,9 @@ class Vqueue:
         if a.profile:  # the real engine plus a sampling profiler thread (profiled_engine.py)
             env["VQUEUE_ENGINE_CLASS"] = "benchmarks.profiled_engine:ProfiledEngine"
             env["VQUEUE_BENCH_PROFILE"] = str(Path(a.out) / "worker-profile.txt")
-        self.proc, self.log, self.start_s = launch_worker(
-            f"bench-{run}@gpu", env, Path(a.out) / "vqueue-worker.log", a.redis, "-l", "WARNING"
-        )
-        self.client = Client(
-            Settings(
-                _env_file=None,
-                broker_url=a.redis,
-                queue=env["VQUEUE_QUEUE"],
-                key_prefix=env["VQUEUE_KEY_PREFIX"],
-            )
-        )
+        w = own_worker("bench", a.model, a.redis, Path(a.out) / "vqueue-worker.log",
+                       "-l", "WARNING", **env)  # fmt: skip
+        self.proc, self.log, self.start_s, self.client = w.proc, w.log, w.start_s, w.client
         self.a = a
 
     def run(self, name: str, jobs: list[dict[str, Any]], rnd: int) -> dict[str, Any]:
@@ -721,7 +732,7 @@ def main() -> None:
     vq = None
     rows: list[dict[str, Any]] = []
     try:
-        vq = Vqueue(a, env)
+        vq = Vqueue(a)
         meta["vqueue_start_s"] = vq.start_s
         first = [w for w in vq.client.store.workers() if not w.get("intake_of")]
         meta["vqueue_intake_processes"] = first[0].get("intake_processes", 1) if first else None

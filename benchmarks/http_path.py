@@ -68,12 +68,9 @@ def main() -> None:
         env["VQUEUE_ENGINE_CLASS"] = "benchmarks.stub_engine:StubEngine"
         texts = wl.TextMaker(lambda s: len(s) // 4)
     else:
-        from transformers import AutoTokenizer
-
         from worker.models import resolve_model
 
-        tok = AutoTokenizer.from_pretrained(resolve_model(a.model))
-        texts = wl.TextMaker(lambda s: len(tok.encode(s, add_special_tokens=False)))
+        texts = wl.TextMaker.of_model(resolve_model(a.model))
     fixed = {"max_tokens": a.out_tokens, "min_tokens": a.out_tokens, "ignore_eos": True}
 
     def make_file(name: str) -> Path:  # fresh texts each run: nothing cached by the last

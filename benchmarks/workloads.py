@@ -87,6 +87,14 @@ class TextMaker:
     def tokens(self, n: int) -> str:
         return self.words(max(1, round(n / self.tokens_per_word)))
 
+    @classmethod
+    def of_model(cls, model: str, seed: int = 0) -> TextMaker:
+        """Texts measured in ``model``'s own tokens (its tokenizer: a local path or an id)."""
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model)
+        return cls(lambda s: len(tok.encode(s, add_special_tokens=False)), seed)
+
 
 def fixed(out_tokens: int) -> dict[str, Any]:
     """Sampling that makes a random-weights model emit exactly ``out_tokens`` tokens."""
