@@ -23,6 +23,9 @@ same (LLM.chat in a second call, AsyncLLM per request, as the worker does), and 
 every token generated, first runs included. The script exits 1 when a vqueue row's generated
 tokens differ by more than 1% from either raw row of its round.
 
+Each round draws its own texts (same shapes and sizes; both sides of a round get the same jobs),
+so that no round finds the last one's prompts in a prefix cache.
+
 Per round, ``ratio_vs_raw`` is vqueue's jobs/s over the better raw row of that workload and round;
 the summary gives medians over the rounds. Results go to ``--out`` after every round (suite.json,
 suite.md), so a run cut short by ``--budget-s`` or a kill keeps what it measured. Also runs on a
@@ -189,11 +192,18 @@ def pct(xs: list[float], p: float) -> float | None:
 
 
 def build(
-    model: str, scale: float, names: list[str], scale_of: dict[str, float] | None = None
+    t: wl.TextMaker,
+    scale: float,
+    names: list[str],
+    scale_of: dict[str, float] | None = None,
+    seed: int = 0,
 ) -> dict[str, list[dict[str, Any]]]:
     """The workloads' jobs: at ``scale`` (1.0: mixed 1,000, prefix 800, long 200, long32k 40,
-    json 500), or a workload's own scale in ``scale_of``."""
-    t = wl.TextMaker.of_model(model)
+    json 500), or a workload's own scale in ``scale_of``; texts from ``t`` drawn with ``seed``.
+    Each round has its own seed: with the same texts every round, a workload run without others
+    in between finds its prompts in the engines' prefix cache from the second round on (40
+    documents of 32K tokens fit in a 24 GiB cache), and times something else."""
+    t.rng.seed(seed)
     small = scale < 0.1  # a CPU check: short documents, or it takes hours
     scale_of = scale_of or {}
 
@@ -268,7 +278,9 @@ class RawEngines:
     """vLLM's offline ``LLM`` and online ``AsyncLLM`` in one process, built with a worker's
     engine arguments, serving the driver's ``RUN`` lines on stdin."""
 
-    def __init__(self, a: argparse.Namespace, loads: dict[str, list[dict[str, Any]]]) -> None:
+    def __init__(
+        self, a: argparse.Namespace, loads: dict[int, dict[str, list[dict[str, Any]]]]
+    ) -> None:
         from vllm import LLM
 
         from . import engine_setup
@@ -324,7 +336,7 @@ class RawEngines:
         return out
 
     def run(self, system: str, name: str, rnd: int) -> dict[str, Any]:
-        jobs = warmup(self.a.scale) if name == "warmup" else self.loads[name]
+        jobs = warmup(self.a.scale) if name == "warmup" else self.loads[rnd][name]
         prep = self.prepared(jobs)
         if system == "raw LLM.chat":
             return self._offline(name, rnd, prep)
@@ -427,7 +439,7 @@ class RawEngines:
 
 def serve_raw(a: argparse.Namespace) -> None:
     """The raw child: build both engines, say READY, then one ROW line per RUN line."""
-    loads = json.loads(Path(a.out, "workloads.json").read_text())
+    loads = {int(r): w for r, w in json.loads(Path(a.out, "workloads.json").read_text()).items()}
     raw = RawEngines(a, loads)
     starts = {
         "llm_start_s": raw.llm_start_s,
@@ -711,7 +723,8 @@ def main() -> None:
     began = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     scale_of = {k: float(v) for k, v in (x.split("=") for x in a.scale_of.split(",") if x)}
-    loads = build(a.model, a.scale, a.workloads, scale_of)
+    texts = wl.TextMaker.of_model(a.model)
+    loads = {r: build(texts, a.scale, a.workloads, scale_of, r) for r in range(1, a.rounds + 1)}
     (out / "workloads.json").write_text(json.dumps(loads))
     meta: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -723,7 +736,7 @@ def main() -> None:
         ).stdout.strip()
         if shutil.which("nvidia-smi")
         else "none (CPU)",
-        "workloads": {k: len(v) for k, v in loads.items()},
+        "workloads": {k: len(v) for k, v in loads[1].items()},
     }
     env = plugin_env()
     t = time.perf_counter()
@@ -749,7 +762,7 @@ def main() -> None:
                 break
             t = time.perf_counter()
             order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
-            for name, jobs in loads.items():
+            for name, jobs in loads[rnd].items():
                 for s in order:
                     r = vq.run(name, jobs, rnd) if s == "vqueue" else raw.run(s, name, rnd)
                     rows.append(r)
