@@ -804,8 +804,9 @@ def worker(
 ) -> None:
     """Start a worker: one persistent vLLM engine, fed by Celery processes.
 
-    With a GPU, four Celery processes take jobs in for the engine (VQUEUE_INTAKE_PROCESSES);
-    the first starts the engine and the others, and stops them when it stops.
+    With a GPU, several Celery processes take jobs in for the engine (VQUEUE_INTAKE_PROCESSES:
+    half the host's CPU cores per GPU, 2 to 8); the first starts the engine and the others, and
+    stops them when it stops.
 
     Extra arguments go to the first process's 'celery worker' unchanged.
     """
@@ -845,9 +846,9 @@ def worker(
         ws = ws.model_copy(update={"max_num_seqs": int(env["VQUEUE_MAX_NUM_SEQS"])})
     intakes = s.intake_processes
     if not intakes:  # auto: several on a GPU, where one consumer cannot keep up (settings)
-        from worker.engine import has_cuda
+        from worker.engine import cores_per_engine, has_cuda
 
-        intakes = s.intake_count(has_cuda())
+        intakes = s.intake_count(has_cuda(), cores_per_engine(s))
     if intakes > 1:  # each Celery process holds its share of what the engine holds
         import tempfile
 

@@ -70,8 +70,9 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = True
     seed: int = 0
     # the first job of a prefix group prefills alone; its siblings wait (at most this long) for
-    # its first token, then find the prefix cached (worker/engine.py: EngineHost._gate)
-    prefix_gating: bool = True
+    # its first token, then find the prefix cached (worker/engine.py: EngineHost._gate). Off:
+    # vLLM's V1 scheduler already shares a prefix among requests scheduled in one step
+    prefix_gating: bool = False
     prefix_gate_timeout_s: float = Field(default=30.0, ge=0)
     # guided decoding backend: llguidance covers the widest JSON Schema subset and compiles
     # grammars lazily; "xgrammar" is the alternative
@@ -103,9 +104,10 @@ class Settings(BaseSettings):
     # (`vqueue worker` resolves an unset max_num_seqs for its device first)
     concurrency: int = 0
     # Celery processes that take jobs in for the worker's one engine, each with its share of
-    # the concurrency and its own consumer, tokenizer and task threads (worker/app.py: one
-    # consumer takes in about 250 jobs/s, less than an H200 finishes short jobs). 0: 1 on a
-    # CPU host, 4 with a GPU.
+    # the concurrency and its own consumer, tokenizer and task threads (worker/app.py: a Celery
+    # consumer takes one message per Redis round trip, a few hundred a second, fewer than an
+    # H200 starts short jobs). 0: 1 on a CPU host; with a GPU, half the CPU cores there are per
+    # engine, from 2 to 8 (8 on a 16-core host with one H200: docs/benchmarks.md).
     intake_processes: int = Field(default=0, ge=0, le=32)
     # set by a worker for its other intake processes (internal): its frontend's socket and key,
     # and its name
@@ -228,8 +230,12 @@ class Settings(BaseSettings):
         """Jobs the worker holds at once, all its intake processes together."""
         return self.concurrency or 2 * (self.max_num_seqs or 256)
 
-    def intake_count(self, cuda: bool) -> int:
-        return self.intake_processes or (4 if cuda else 1)
+    def intake_count(self, cuda: bool, cores_per_engine: int) -> int:
+        """``intake_processes``, or its default for a host with ``cores_per_engine`` CPU cores
+        for each engine (``worker.engine.cores_per_engine``)."""
+        if self.intake_processes:
+            return self.intake_processes
+        return min(8, max(2, cores_per_engine // 2)) if cuda else 1
 
     def intake_concurrency(self, intakes: int) -> int:
         """One intake process's share of the worker's concurrency."""
