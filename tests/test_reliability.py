@@ -689,7 +689,17 @@ def test_intake_processes_share_one_engine_and_end_with_the_worker(
     wait_for(lambda: not any(_running(p) for p in tree), 10, "the intake and engine to exit")
     # and the next worker (the fake engine: queue mechanics from here) finishes it, once each
     procs.fake_worker("in2", fault_redis.url, delay=0.05, concurrency=4)
-    wait_for(lambda: _done(client, second) >= 12, 120, "the batch on the next worker")
+    try:
+        wait_for(lambda: _done(client, second) >= 12, 120, "the batch on the next worker")
+    except AssertionError as exc:  # a job lost, or kombu's restore lock left held: say which
+        r = client.store.r
+        state = {
+            "done": _done(client, second),
+            "unacked": r.hlen("unacked"),
+            "unacked_mutex_ttl": r.ttl("unacked_mutex"),
+            "queued": client.queue_depth(),
+        }
+        raise AssertionError(f"{exc}: {state}") from None
     _exactly_once(client, second, 12)
     _report("two intake processes, one engine", {"jobs": 24, "per_process": dict(ran),
                                                  "left_after_kill_10s": 0, **figures})  # fmt: skip
