@@ -34,11 +34,12 @@ def test_an_urgent_job_starts_before_the_bulk_jobs_waiting_in_the_engine(
     client = Client(make_settings(Q))
     bulk = client.submit_many([_bulk(i) for i in range(30)])
 
-    def saturated() -> bool:
+    def saturated() -> bool:  # holding 8, and the first 2 already generating (tokens flow)
         beat = redis_client.get(w.heartbeat_key())
-        return bool(beat) and json.loads(beat)["in_flight"] >= 4 * SEQS
+        info = json.loads(beat) if beat else {}
+        return info.get("in_flight", 0) >= 4 * SEQS and (info.get("tokens_per_s") or 0) > 0
 
-    wait_for(saturated, 120, "the worker to hold 8 jobs")
+    wait_for(saturated, 120, "the worker to hold 8 jobs, 2 of them generating")
 
     # When a priority-9 job is submitted behind them
     urgent = client.submit({"id": "urgent", "type": "summarize", "priority": 9,
