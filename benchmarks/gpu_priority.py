@@ -2,7 +2,9 @@
 
     python -m benchmarks.gpu_priority --model /tmp/models/qwen05 --out $OUT/priority
 
-Per policy (``VQUEUE_SCHEDULING_POLICY``: priority, fcfs) one worker; on it, the bulk batch
+Per policy one worker: ``priority`` (the defaults: urgent jobs through the urgent queue and
+intake process, vLLM's priority scheduling) or ``fcfs`` (no job urgent, vLLM first come first
+served: a job's priority orders the Redis lists alone). On it, the bulk batch
 alone (priority 0), then the same batch again with a stream of interactive jobs (priority 9, a
 fixed rate) submitted one by one while it runs. Reports bulk jobs/s both ways and the
 interactive jobs' TTFT and latency from submission (p50/p99). Writes priority.json after each
@@ -25,10 +27,14 @@ from .gpu_suite import own_worker, pct, stop
 
 def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, Any]]:
     env = dict(VQUEUE_MAX_MODEL_LEN="4096", VQUEUE_SCHEDULING_POLICY=policy)
+    if policy == "fcfs":
+        env.update(VQUEUE_URGENT_PRIORITY="10", VQUEUE_URGENT_CONCURRENCY="0")
     if a.kv_cache_bytes:
         env["VQUEUE_KV_CACHE_MEMORY_BYTES"] = str(a.kv_cache_bytes)
     log = Path(a.out) / f"worker-{policy}.log"
     proc, fh, start_s, client, _ = own_worker("prio", a.model, a.redis, log, "-l", "WARNING", **env)
+    if policy == "fcfs":  # the producer sends nothing to the urgent queue either
+        client = type(client)(client.settings.model_copy(update={"urgent_priority": 10}))
     out_tokens = {"max_tokens": 128, "min_tokens": 128, "ignore_eos": True}
 
     def bulk() -> list[dict[str, Any]]:  # fresh texts each run: nothing cached by the last
@@ -39,6 +45,11 @@ def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, A
 
     rows = []
     try:
+        deadline = time.monotonic() + 180  # the urgent intake process starts after the engine
+        while policy != "fcfs" and time.monotonic() < deadline:
+            if any(w.get("urgent") for w in client.store.workers()):
+                break
+            time.sleep(1)
         list(client.submit_many(bulk()[: min(64, a.bulk)]).results(timeout=600))  # warm
         for rnd, stream in [(r, x) for r in range(1, a.rounds + 1) for x in (False, True)]:
             done = threading.Event()
@@ -106,6 +117,7 @@ def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, A
                 "in_redis_p99_s": pct(fetched, 99),
                 "taken_to_first_token_p50_s": pct(inside, 50),
                 "taken_to_first_token_p99_s": pct(inside, 99),
+                "taken_by_urgent_intake": sum("-urgent@" in (u.worker or "") for u in us),
                 "worker_start_s": start_s,
             }
             print(json.dumps(row), flush=True)

@@ -396,10 +396,11 @@ def _batch_status(client: Any, batch: str, as_json: bool) -> str:
 
 def _fleet_status(client: Any, as_json: bool) -> str:
     """Every live worker (from its heartbeat) and the depth of every queue one consumes."""
-    from .routing import worker_queue
+    from .routing import urgent_queue, worker_queue
 
     workers = client.store.workers()
     shared = {client.settings.queue, *(w["queue"] for w in workers if w.get("queue"))}
+    shared |= {urgent_queue(q) for q in shared}
     own = {worker_queue(w["queue"], w["name"]) for w in workers if w.get("routed")}
     names = sorted(shared | own)
     depths = {q: client.queue_depth(q) for q in names}
@@ -414,7 +415,7 @@ def _fleet_status(client: Any, as_json: bool) -> str:
     for w in workers:
         if w.get("intake_of"):  # a Celery process feeding another worker's engine
             lines.append(
-                f"  {w['name']}  intake of {w['intake_of']}"
+                f"  {w['name']}  {'urgent ' if w.get('urgent') else ''}intake of {w['intake_of']}"
                 f" in_flight={w['in_flight']}/{w['concurrency']} done={w['jobs_done']}"
             )
             continue
@@ -806,7 +807,8 @@ def worker(
 
     With a GPU, several Celery processes take jobs in for the engine (VQUEUE_INTAKE_PROCESSES:
     half the host's CPU cores per GPU, 2 to 8); the first starts the engine and the others, and
-    stops them when it stops.
+    stops them when it stops. One more takes urgent jobs beyond the worker's share
+    (VQUEUE_URGENT_CONCURRENCY).
 
     Extra arguments go to the first process's 'celery worker' unchanged.
     """
@@ -849,12 +851,13 @@ def worker(
         from worker.engine import cores_per_engine, has_cuda
 
         intakes = s.intake_count(has_cuda(), cores_per_engine(s))
-    if intakes > 1:  # each Celery process holds its share of what the engine holds
+    if intakes > 1 or s.urgent_concurrency:  # more Celery processes than this one
         import tempfile
 
-        env["VQUEUE_INTAKE_PROCESSES"] = str(intakes)
         # their job metrics meet here and are served from the first one's port (worker.metrics)
         env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vqueue-metrics-")
+    if intakes > 1:  # each Celery process holds its share of what the engine holds
+        env["VQUEUE_INTAKE_PROCESSES"] = str(intakes)
         env["VQUEUE_CONCURRENCY"] = str(ws.intake_concurrency(intakes))
         ws = ws.model_copy(update={"concurrency": ws.intake_concurrency(intakes)})
     from celery.utils.nodenames import host_format

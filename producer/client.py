@@ -326,8 +326,6 @@ class Client:
         re-submitted id is counted once. An id enqueued before but not finished is sent again
         (the earlier message may be gone with a crashed producer); the worker runs it once.
         """
-        from .publish import send_envelopes
-
         self._admit(len(envelopes))
         if force:  # a forced re-run: withdraw the results these ids have
             for e in envelopes:
@@ -336,12 +334,25 @@ class Client:
         todo = [e for e, f in zip(envelopes, flags, strict=True) if f >= 0]
         # a prefix group's jobs travel together, so an engine takes them in one stretch
         todo.sort(key=lambda e: e.prefix_key or "")
-        if self.router is None:
-            send_envelopes(self.broker, todo, self.settings.queue)
-        else:
-            for queue, group in self.router.route(todo).items():
-                send_envelopes(self.broker, group, queue)
+        self._send(todo)
         return len(envelopes) - len(todo)
+
+    def _send(self, envelopes: list[Envelope]) -> None:
+        """Urgent jobs to the urgent queue, which no worker's full share of bulk jobs blocks;
+        the rest to the worker their prefix routes them to, or to the shared queue."""
+        from .publish import send_envelopes
+        from .routing import urgent_queue
+
+        s = self.settings
+        urgent = [e for e in envelopes if e.job.priority >= s.urgent_priority]
+        if urgent:
+            send_envelopes(self.broker, urgent, urgent_queue(s.queue))
+            envelopes = [e for e in envelopes if e.job.priority < s.urgent_priority]
+        if self.router is None:
+            send_envelopes(self.broker, envelopes, s.queue)
+        else:
+            for queue, group in self.router.route(envelopes).items():
+                send_envelopes(self.broker, group, queue)
 
     def _admit(self, n: int) -> None:
         """Wait (or refuse) until the tenant's rate and the queue's depth admit ``n`` more."""
@@ -373,14 +384,12 @@ class Client:
     def requeue_dead_letter(self, task_id: str) -> bool:
         """Run a dead-lettered job again: its failed result is withdrawn, its envelope sent to
         this client's queue. False when there is no such dead letter."""
-        from .publish import send_envelopes
-
         entry = self.store.dead_letter_entry(task_id)
         if entry is None:
             return False
         env = Envelope.model_validate(entry["envelope"])
         self.store.forget(env.batch, env.job.id)
-        send_envelopes(self.broker, [env], self.settings.queue)
+        self._send([env])
         self.store.drop_dead_letter(task_id)
         return True
 
@@ -393,9 +402,9 @@ class Client:
     def waiting(self) -> int:
         """Jobs waiting for this client's queue's workers: the shared queue and each live
         worker's own (prefix routing sends most jobs there), which ``max_queue_depth`` bounds."""
-        from .routing import worker_queue
+        from .routing import urgent_queue, worker_queue
 
-        queues = [self.settings.queue]
+        queues = [self.settings.queue, urgent_queue(self.settings.queue)]
         queues += [
             worker_queue(self.settings.queue, w["name"])
             for w in self.store.workers()

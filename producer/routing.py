@@ -30,6 +30,13 @@ def worker_queue(queue: str, worker: str) -> str:
     return f"{queue}@{worker}"
 
 
+def urgent_queue(queue: str) -> str:
+    """Where jobs at ``Settings.urgent_priority`` or above wait: every intake process of every
+    worker on ``queue`` consumes it, and each worker's urgent intake process consumes it alone,
+    with slots beyond the worker's share of bulk jobs (worker/app.py: ``Intakes``)."""
+    return f"{queue}.urgent"
+
+
 def rank(prefix_key: str, workers: list[str]) -> list[str]:
     """Workers by rendezvous (highest random weight) score for ``prefix_key``, best first."""
 

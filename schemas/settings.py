@@ -109,6 +109,13 @@ class Settings(BaseSettings):
     # H200 starts short jobs). 0: 1 on a CPU host; with a GPU, half the CPU cores there are per
     # engine, from 2 to 8 (8 on a 16-core host with one H200: docs/benchmarks.md).
     intake_processes: int = Field(default=0, ge=0, le=32)
+    # jobs at this priority or above are urgent: they wait in <queue>.urgent, which every intake
+    # process takes from first, and a worker's urgent intake process takes from alone, with
+    # slots beyond the worker's share of bulk jobs; 10: no job is urgent
+    urgent_priority: int = Field(default=9, ge=0, le=10)
+    # urgent jobs one worker takes in beyond its share (its urgent intake process's slots); 0:
+    # no urgent intake process, an urgent job waits for a slot to free (docs/architecture.md)
+    urgent_concurrency: int = Field(default=16, ge=0, le=1024)
     # set by a worker for its other intake processes (internal): its frontend's socket and key,
     # and its name
     frontend: str = ""

@@ -1,5 +1,6 @@
-"""A job's priority reaches vLLM's scheduler: an urgent job overtakes bulk jobs already waiting
-inside the engine, not only those still in Redis (real worker, real engine, small model)."""
+"""A job's priority reaches the worker and vLLM's scheduler: an urgent job is taken in while the
+worker holds its full share of bulk jobs, and overtakes the bulk jobs already waiting inside the
+engine, not only those still in Redis (real worker, real engine, small model)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import redis
 
 from producer import Client
 
-from .conftest import RUN, Procs, make_settings, wait_for
+from .conftest import KEY_PREFIX, RUN, Procs, make_settings, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -24,13 +25,16 @@ def _bulk(i: int) -> dict[str, object]:
             "max_tokens": 48, "min_tokens": 48, "ignore_eos": True}  # fmt: skip
 
 
-def test_an_urgent_job_starts_before_the_bulk_jobs_waiting_in_the_engine(
+def test_an_urgent_job_is_taken_in_past_a_full_share_and_starts_before_waiting_bulk_jobs(
     procs: Procs, redis_client: redis.Redis
 ) -> None:
     # Given one worker whose engine runs 2 sequences a step and which holds 8 jobs, saturated by
     # a batch of 30 bulk jobs at priority 0: 2 generating, 6 waiting in the engine, 22 in Redis
     w = procs.worker("prio", Q, VQUEUE_MAX_NUM_SEQS=str(SEQS), VQUEUE_CONCURRENCY=str(4 * SEQS))
     w.wait_ready(redis_client)
+    urgent_intake = w.node.replace("@", "-urgent@")
+    wait_for(lambda: redis_client.exists(f"{KEY_PREFIX}:worker:{urgent_intake}"), 180,
+             "its urgent intake process")  # fmt: skip
     client = Client(make_settings(Q))
     bulk = client.submit_many([_bulk(i) for i in range(30)])
 
@@ -48,7 +52,15 @@ def test_an_urgent_job_starts_before_the_bulk_jobs_waiting_in_the_engine(
     u = urgent.result("urgent", timeout=300)
     done = list(bulk.results(timeout=600))
 
-    # Then it got its first token before the bulk jobs that had none when it arrived, but for at
+    # Then the worker's urgent intake process took it in at once, while the worker still held
+    # its 8 bulk jobs (a slot may be between a finished job and the next for a few ms: 7)
+    assert u.worker == urgent_intake, u.worker
+    taken = u.timings.started_at or 0
+    holding = [
+        r.id for r in done if (r.timings.started_at or 0) <= taken < (r.timings.finished_at or 0)
+    ]
+    assert len(holding) >= 4 * SEQS - 1, (holding, u.timings)
+    # and it got its first token before the bulk jobs that had none when it arrived, but for at
     # most the engine's 2 slots that freed while it was still on its way in from Redis ...
     assert u.status == "completed" and u.timings.first_token_at, u
     came, first = u.timings.enqueued_at, u.timings.first_token_at

@@ -651,11 +651,14 @@ def test_intake_processes_share_one_engine_and_end_with_the_worker(
     def registered() -> dict[str, Any]:
         return {x["name"]: x for x in client.store.workers()}
 
-    wait_for(lambda: intake in registered(), 180, "the second intake process")
+    urgent = w.node.replace("@", "-urgent@")
+    wait_for(lambda: {intake, urgent} <= set(registered()), 180, "the other intake processes")
     assert registered()[intake]["intake_of"] == w.node
     shown = _cli("status", url=fault_redis.url).stdout.decode()
-    assert "1 live worker(s), fed by 1 more intake process(es)" in shown, shown
+    # (and its urgent intake process, which takes only urgent jobs: none here)
+    assert "1 live worker(s), fed by 2 more intake process(es)" in shown, shown
     assert f"{intake}  intake of {w.node}" in shown, shown
+    assert f"{urgent}  urgent intake of {w.node}" in shown, shown
     # When a batch runs
     jobs = [{"id": f"s{i}", "type": "summarize", "text": f"Story number {i}.", "max_tokens": 24,
              "min_tokens": 24, "ignore_eos": True} for i in range(24)]  # fmt: skip

@@ -22,7 +22,7 @@ from celery import Celery, signals
 
 from producer.cli import RET_CONFIG, RET_ENGINE
 from producer.publish import PRIORITY_SEP, PRIORITY_STEPS, task_name
-from producer.routing import move_all, rescue_orphans, worker_queue
+from producer.routing import move_all, rescue_orphans, urgent_queue, worker_queue
 from schemas import JOB_TYPES, Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -258,23 +258,34 @@ reuse_broker_clients()
 app.conf.imports = ("worker.tasks",)
 
 
+URGENT = 0  # the urgent intake process's number among a worker's intake processes
+
+
 def intake_name(hostname: str, i: int) -> str:
-    """``vqueue-gpu0@host`` -> ``vqueue-gpu0-intake1@host``."""
+    """``vqueue-gpu0@host`` -> ``vqueue-gpu0-intake1@host`` (``-urgent`` for ``URGENT``)."""
     name, at, host = hostname.partition("@")
-    return f"{name}-intake{i}{at}{host}"
+    return f"{name}-{'urgent' if i == URGENT else f'intake{i}'}{at}{host}"
 
 
 class Intakes:
     """The worker's other intake processes: Celery workers of their own (consumer, task threads,
-    tokenizer, heartbeat) that consume this one's routed queue and the shared one, and whose
-    jobs run on this process's engine, reached through its frontend's socket. One Celery
-    consumer takes in about 250 jobs a second, fewer than an H200 finishes short jobs; several,
-    feeding one engine, do not share a GIL. The first process starts them once the engine is
-    up, starts one again if it dies while the engine lives, and stops them when it stops; they
-    exit if it dies (``watch_owner``)."""
+    tokenizer, heartbeat) whose jobs run on this process's engine, reached through its
+    frontend's socket.
 
-    def __init__(self, worker: Any, count: int, frontend: str) -> None:
+    - ``count - 1`` more like this one: they consume this one's routed queue, the shared one
+      and the urgent one. One Celery consumer takes in about 250 jobs a second, fewer than an
+      H200 finishes short jobs; several, feeding one engine, do not share a GIL.
+    - The urgent one (``urgent`` slots, 0 for none) consumes the urgent queue alone. A Celery
+      consumer whose slots are all taken asks Redis for nothing, whatever waits there; with
+      bulk jobs filling every other process's share, this one still takes an urgent job at
+      once, and vLLM's priority scheduling runs it ahead of the bulk jobs waiting in the engine.
+
+    The first process starts them once the engine is up, starts one again if it dies while the
+    engine lives, and stops them when it stops; they exit if it dies (``watch_owner``)."""
+
+    def __init__(self, worker: Any, count: int, urgent: int, frontend: str) -> None:
         self.worker = worker
+        self.urgent = urgent
         self.env = dict(
             os.environ,
             VQUEUE_FRONTEND=frontend,
@@ -285,25 +296,29 @@ class Intakes:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.stopping = threading.Event()
         self._lock = threading.Lock()  # no start once stopping
-        for i in range(1, count):
+        for i in range(URGENT if urgent else 1, max(count, 1)):
             self._start(i)
         threading.Thread(target=self._watch, name="vqueue-intakes", daemon=True).start()
 
     def _start(self, i: int) -> None:
         name = intake_name(self.worker.hostname, i)
+        if i == URGENT:
+            slots, queues = self.urgent, urgent_queue(settings.queue)
+        else:  # prefix routing sends a prefix's jobs to one engine: its processes share its queue
+            slots = self.worker.concurrency
+            queues = f"{settings.queue},{worker_queue(settings.queue, self.worker.hostname)}"
         argv = [
             sys.executable, "-m", "celery", "-A", "worker.app", "worker",
-            "--pool", "threads", "--concurrency", str(self.worker.concurrency),
-            # prefix routing sends a prefix's jobs to one engine: its processes share its queue
-            "--queues", f"{settings.queue},{worker_queue(settings.queue, self.worker.hostname)}",
+            "--pool", "threads", "--concurrency", str(slots), "--queues", queues,
             "--hostname", name, "--loglevel", logging.getLevelName(self.worker.loglevel),
             *(["--task-events"] if settings.task_events else []),
             "--without-mingle", "--without-gossip",
         ]  # fmt: skip
+        env = dict(self.env, VQUEUE_CONCURRENCY=str(slots))
         with self._lock:
             if self.stopping.is_set():
                 return
-            self.procs[i] = subprocess.Popen(argv, env=self.env)  # its log is this one's
+            self.procs[i] = subprocess.Popen(argv, env=env)  # its log is this one's
         log.info("intake process %s started (pid %d)", name, self.procs[i].pid)
 
     def _watch(self) -> None:
@@ -384,14 +399,23 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
         if getattr(state.engine, "plan", None) is not None and not settings.frontend:
             metrics.report_plan(state.engine.plan)
         address = getattr(state.engine, "frontend_address", None)
-        if address and settings.intake_processes > 1:
-            state.intakes = Intakes(sender, settings.intake_processes, address)
+        if address and not settings.frontend:
+            count, urgent = settings.intake_processes, settings.urgent_concurrency
+            state.intakes = Intakes(sender, count, urgent, address)
     except (ConfigError, FileNotFoundError) as exc:  # the operator's to fix: a line, no trace
         log.error("invalid worker settings: %s; exiting %d", exc, RET_CONFIG)
         os._exit(RET_CONFIG)
     except BaseException:
         log.exception("the vLLM engine failed to start; exiting %d", EXIT_ENGINE)
         os._exit(EXIT_ENGINE)  # Celery would log a handler's exception and carry on without it
+
+
+@signals.celeryd_after_setup.connect
+def _consume_urgent(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """Every intake process takes urgent jobs too, whatever queues it was started with: they
+    wait for nobody's free slot but their own (``Intakes``)."""
+    if instance is not None:
+        instance.app.amqp.queues.select_add(urgent_queue(settings.queue))
 
 
 @signals.worker_ready.connect
@@ -413,11 +437,11 @@ def _close_engine(**_: Any) -> None:
     if state.intakes is not None:
         state.intakes.stop()
         state.intakes.wait(settings.job_timeout_s + 30)
-        from . import metrics
+    from . import metrics
 
-        shared = metrics.multiprocess_dir()
-        if shared and os.path.basename(shared).startswith("vqueue-metrics-"):
-            shutil.rmtree(shared, ignore_errors=True)  # `vqueue worker` made it for this run
+    shared = metrics.multiprocess_dir()
+    if not settings.intake_of and shared and os.path.basename(shared).startswith("vqueue-metrics-"):
+        shutil.rmtree(shared, ignore_errors=True)  # `vqueue worker` made it for this run
     try:
         _store().forget_worker(state.name)
         # what producers routed here and nobody took goes back to the shared queue
@@ -484,6 +508,7 @@ def _withdrawals() -> None:
 def _heartbeat() -> None:
     """Liveness as a Redis key with a TTL (arq's health check): gone means dead or stopped."""
     store, broker = _store(), _broker()
+    of = settings.intake_of
     while not state.stop.is_set():
         e = state.engine
         info = {
@@ -506,6 +531,8 @@ def _heartbeat() -> None:
             # one of how many Celery processes feeding one engine; the others name the first
             "intake_processes": max(settings.intake_processes, 1),
             "intake_of": settings.intake_of or None,
+            # the process that takes urgent jobs beyond the worker's share (Intakes)
+            "urgent": bool(of) and state.name == intake_name(of, URGENT),
         }
         stats = getattr(e, "stats", None)
         if stats is not None:

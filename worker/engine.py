@@ -109,7 +109,7 @@ class EngineHost:
             self.stats = None  # the engine's numbers are reported once, by that process
         else:
             listen = None
-            if settings.intake_processes > 1:
+            if settings.intake_processes > 1 or settings.urgent_concurrency:  # app.Intakes
                 sock = f"vqueue-frontend-{os.getpid()}-{os.urandom(4).hex()}.sock"
                 listen = (os.path.join(tempfile.gettempdir(), sock), os.urandom(16))
             self.frontend = FrontendProcess(settings, self.model_path, self.stats.apply, listen)
