@@ -109,9 +109,6 @@ class Settings(BaseSettings):
     # H200 starts short jobs). 0: 1 on a CPU host; with a GPU, half the CPU cores there are per
     # engine, from 2 to 8 (8 on a 16-core host with one H200: docs/benchmarks.md).
     intake_processes: int = Field(default=0, ge=0, le=32)
-    # jobs an intake's Celery consumer takes from Redis in one round trip after each one it
-    # waits for, as far as its free slots go (worker/app.py: take_many); 0: one per round trip
-    take_many: int = Field(default=64, ge=0, le=1024)
     # jobs at this priority or above are urgent: they wait in <queue>.urgent, which every intake
     # process takes from first, and a worker's urgent intake process takes from alone, with
     # slots beyond the worker's share of bulk jobs; 10: no job is urgent

@@ -136,31 +136,6 @@ def test_kill_9_mid_batch_then_restart(procs: Procs, fault_redis: RedisServer) -
     _report("kill -9 mid-batch", {"jobs": 200, "results_at_kill": at_kill, **figures})
 
 
-def test_a_consumer_takes_many_jobs_per_round_trip_and_loses_none_to_kill_9(
-    procs: Procs, fault_redis: RedisServer
-) -> None:
-    # Given 200 jobs waiting before a worker (fake engine) with 64 slots starts
-    client = _client(fault_redis.url)
-    batch = client.submit_many(_jobs(200, "m")).id
-    w = procs.fake_worker("many", fault_redis.url, delay=0.5, concurrency=64)
-    # When it fills its slots: one BRPOP, the rest in the same round trip (worker.app.take_many)
-    wait_for(lambda: _in_flight(client, batch) >= 64, 120, "64 jobs running")
-    r = client.store.r
-    assert r.hlen("unacked") >= 64  # each recorded as unacknowledged as it left its list
-    # and is killed with SIGKILL, then started again
-    _mid_tick(0.5)
-    w.kill9()
-    procs.fake_worker("many", fault_redis.url, delay=0.5, concurrency=64)
-    wait_for(lambda: _done(client, batch) >= 200, 180, "all 200 results after the restart")
-    # Then every job ran to one result, those in flight at the kill after the visibility timeout
-    figures = _exactly_once(client, batch, 200)
-    assert figures["deliveries_started"].get(2, 0) >= 1
-    # and the consumers asked Redis for jobs a few times, not once per job
-    calls = r.info("commandstats").get("cmdstat_brpop", {}).get("calls", 0)
-    assert calls < 50, calls
-    _report("many jobs per round trip, kill -9", {"jobs": 200, "brpop_calls": calls, **figures})
-
-
 def test_hundreds_of_jobs_finishing_at_once(procs: Procs, fault_redis: RedisServer) -> None:
     # Given a worker holding 400 jobs at once (the default holds 512), all finishing together
     client = _client(fault_redis.url)

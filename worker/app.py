@@ -143,102 +143,6 @@ def reuse_broker_clients() -> None:
     channel._create_client = _create_client  # type: ignore[method-assign]
 
 
-# Pops up to ARGV[1] messages from KEYS[3..] in order and records each as unacknowledged in the
-# same step, exactly as kombu's QoS.append does (its index scored now, its hash entry the JSON
-# list [message, exchange, routing key]); the message text is kept byte for byte. Returns
-# [list index, message, ...].
-_TAKE_MANY = """
-local left, now, out = tonumber(ARGV[1]), ARGV[2], {}
-for i = 3, #KEYS do
-  if left <= 0 then break end
-  local items = redis.call('RPOP', KEYS[i], left)
-  if items then
-    for _, item in ipairs(items) do
-      local p = cjson.decode(item)['properties']
-      local d = p['delivery_info'] or {}
-      redis.call('ZADD', KEYS[1], now, p['delivery_tag'])
-      redis.call('HSET', KEYS[2], p['delivery_tag'], '[' .. item .. ',' ..
-        cjson.encode(d['exchange'] or '') .. ',' .. cjson.encode(d['routing_key'] or '') .. ']')
-      out[#out + 1] = i - 2
-      out[#out + 1] = item
-    end
-    left = left - #items
-  end
-end
-return out
-"""
-
-
-def take_many(count: int) -> None:
-    """After each message kombu's consumer takes (one ``BRPOP``, then one more round trip to
-    record it as unacknowledged, then a turn of the event loop before the next ``BRPOP``), take
-    up to ``count`` more of what waits, as far as the consumer's free slots go, in one script:
-    popped and recorded as unacknowledged in one atomic step, so none can be lost between the
-    two. Highest priority first, as ``BRPOP`` would.
-
-    Why: on the H200 an intake's consumer thread spent 371 of 388 samples waiting on Redis
-    replies while 2,000 jobs were waiting (docs/benchmarks.md); the engine got its last job
-    0.7 s after raw vLLM had all of them.
-
-    Same kombu versions as ``guard_closed_channels`` (it patches ``QoS.append`` to skip the
-    record for these); elsewhere, or with ``count`` 0, kombu's one message per round trip.
-    """
-    import kombu
-    import redis
-    from kombu.transport import redis as kombu_redis
-    from kombu.transport.virtual import QoS as VirtualQoS
-    from kombu.utils.encoding import bytes_to_str
-    from kombu.utils.json import loads
-
-    if count <= 0:
-        return
-    if not kombu.__version__.startswith(KOMBU_VERIFIED):
-        log.error(
-            "kombu %s is not one taking many jobs per round trip was checked on (%s); taking "
-            "one at a time", kombu.__version__, ", ".join(KOMBU_VERIFIED),
-        )  # fmt: skip
-        return
-    channel, qos = kombu_redis.Channel, kombu_redis.QoS
-    if getattr(channel._brpop_read, "__vqueue__", False):
-        return
-    stock_read, stock_append = channel._brpop_read, qos.append
-    script = redis.Redis().register_script(_TAKE_MANY)  # run on the channel's own clients
-
-    def _brpop_read(self: Any, **options: Any) -> Any:
-        got = stock_read(self, **options)  # one message delivered, or Empty raised
-        if got and not self.global_keyprefix:
-            _more(self)
-        return got
-
-    def _more(self: Any) -> None:
-        free = self.qos.can_consume_max_estimate()
-        n = count if free is None else min(count, free)
-        queues = list(self.active_queues)
-        if n <= 0 or not queues:
-            return
-        # each priority list -> its queue, highest priority first (BRPOP's order)
-        names = {self._q_for_pri(q, pri): q for pri in self.priority_steps for q in queues}
-        keys = [self.unacked_index_key, self.unacked_key, *names]
-        with self.conn_or_acquire() as client:
-            got = script(keys=keys, args=[n, time.time()], client=client)
-        recorded = self.qos.__dict__.setdefault("_vqueue_recorded", set())
-        for i in range(0, len(got), 2):
-            payload = loads(bytes_to_str(got[i + 1]))
-            recorded.add(payload["properties"]["delivery_tag"])
-            self.connection._deliver(payload, names[keys[1 + int(got[i])]])
-
-    def append(self: Any, message: Any, delivery_tag: Any) -> Any:
-        recorded = self.__dict__.get("_vqueue_recorded")
-        if recorded and delivery_tag in recorded:  # the script recorded it in Redis already
-            recorded.discard(delivery_tag)
-            return VirtualQoS.append(self, message, delivery_tag)
-        return stock_append(self, message, delivery_tag)
-
-    _brpop_read.__vqueue__ = True  # type: ignore[attr-defined]
-    channel._brpop_read = _brpop_read  # type: ignore[method-assign]
-    qos.append = append  # type: ignore[method-assign]
-
-
 class Limbo:
     """Jobs kombu took off their list that Redis never saw recorded as unacknowledged.
 
@@ -351,7 +255,6 @@ settings = get_settings()
 app = create_app(settings)
 guard_closed_channels()
 reuse_broker_clients()
-take_many(settings.take_many)
 app.conf.imports = ("worker.tasks",)
 
 
