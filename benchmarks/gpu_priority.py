@@ -25,6 +25,32 @@ from . import workloads as wl
 from .gpu_suite import own_worker, pct, stop
 
 
+def slowest(us: list[Any], t0_perf: float, n: int = 5) -> list[dict[str, Any]]:
+    """The ``n`` interactive jobs with the longest TTFT, stage by stage (seconds): when each came
+    (from the bulk batch's start), in Redis, building its prompt until vLLM's frontend took it,
+    in the engine's waiting line, prefill; and which intake process took it. The p99 is one or
+    two jobs: these say where they waited."""
+    start = time.time() - (time.perf_counter() - t0_perf)  # the batch's start, wall clock
+
+    def gap(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else round(b - a, 4)
+
+    rows = []
+    for u in us:
+        t = u.timings
+        if t.first_token_at is None:
+            continue
+        rows.append({
+            "id": u.id, "ttft_s": round(t.first_token_at - t.enqueued_at, 4),
+            "came_s": round(t.enqueued_at - start, 3),
+            "in_redis_s": gap(t.enqueued_at, t.started_at),
+            "prompt_s": gap(t.started_at, t.submitted_at),
+            "engine_wait_s": gap(t.submitted_at, t.scheduled_at),
+            "prefill_s": gap(t.scheduled_at, t.first_token_at), "worker": u.worker,
+        })  # fmt: skip
+    return sorted(rows, key=lambda r: -r["ttft_s"])[:n]
+
+
 def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, Any]]:
     env = dict(VQUEUE_MAX_MODEL_LEN="4096", VQUEUE_SCHEDULING_POLICY=policy)
     if policy == "fcfs":
@@ -118,6 +144,7 @@ def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, A
                 "taken_to_first_token_p50_s": pct(inside, 50),
                 "taken_to_first_token_p99_s": pct(inside, 99),
                 "taken_by_urgent_intake": sum("-urgent@" in (u.worker or "") for u in us),
+                "slowest": slowest(us, t0),
                 "worker_start_s": start_s,
             }
             print(json.dumps(row), flush=True)
