@@ -862,8 +862,6 @@ def worker(
         ws = ws.model_copy(update={"concurrency": ws.intake_concurrency(intakes)})
     from celery.utils.nodenames import host_format
 
-    from .routing import worker_queue
-
     name = host_format(
         hostname or (f"vqueue-gpu{gpus.replace(',', '-')}@%h" if gpus else "vqueue@%h")
     )
@@ -879,9 +877,9 @@ def worker(
         "threads",
         "--concurrency",
         str(ws.worker_concurrency()),
-        # the shared queue, and its own for the jobs routed to it by prefix (producer/routing.py)
+        # the shared queue; the worker adds its own and the urgent one (worker/app.py)
         "--queues",
-        f"{ws.queue},{worker_queue(ws.queue, name)}",
+        ws.queue,
         "--hostname",
         name,
         "--loglevel",

@@ -304,9 +304,8 @@ class Intakes:
         name = intake_name(self.worker.hostname, i)
         if i == URGENT:
             slots, queues = self.urgent, urgent_queue(settings.queue)
-        else:  # prefix routing sends a prefix's jobs to one engine: its processes share its queue
-            slots = self.worker.concurrency
-            queues = f"{settings.queue},{worker_queue(settings.queue, self.worker.hostname)}"
+        else:  # and this process's own queue (``_add_queues``): routing picks engines
+            slots, queues = self.worker.concurrency, settings.queue
         argv = [
             sys.executable, "-m", "celery", "-A", "worker.app", "worker",
             "--pool", "threads", "--concurrency", str(slots), "--queues", queues,
@@ -411,11 +410,23 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
 
 
 @signals.celeryd_after_setup.connect
-def _consume_urgent(sender: Any = None, instance: Any = None, **_: Any) -> None:
-    """Every intake process takes urgent jobs too, whatever queues it was started with: they
-    wait for nobody's free slot but their own (``Intakes``)."""
-    if instance is not None:
-        instance.app.amqp.queues.select_add(urgent_queue(settings.queue))
+def _add_queues(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """Beside the queues it was started with (the shared one), each intake process consumes:
+
+    - the urgent queue: urgent jobs wait for nobody's free slot but their own (``Intakes``);
+    - its engine's own queue, ``<queue>@<first process>``, where producers route jobs by prefix
+      (producer/routing.py), except the urgent intake, which takes urgent jobs alone.
+
+    Added here, Celery's way (``celeryd_after_setup``), so that a worker started with plain
+    ``celery -A worker.app worker`` consumes the queue its heartbeat advertises too."""
+    if instance is None:
+        return
+    queues = instance.app.amqp.queues
+    queues.select_add(urgent_queue(settings.queue))
+    node = str(sender or instance.hostname)
+    of = settings.intake_of
+    if not of or node != intake_name(of, URGENT):
+        queues.select_add(worker_queue(settings.queue, of or node))
 
 
 @signals.worker_ready.connect
