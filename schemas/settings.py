@@ -117,9 +117,10 @@ class Settings(BaseSettings):
     # no urgent intake process, an urgent job waits for a slot to free (docs/architecture.md)
     urgent_concurrency: int = Field(default=16, ge=0, le=1024)
     # set by a worker for its other intake processes (internal): its frontend's socket and key,
-    # and its name
+    # its name, and its pid (they exit when it is gone)
     frontend: str = ""
     intake_of: str = ""
+    intake_owner: int = 0
     gpus: str | None = None  # CUDA_VISIBLE_DEVICES for this worker
     heartbeat_s: float = 5.0  # how often a worker refreshes its liveness key
     log_stats_s: float = 10.0  # how often the engine logs vLLM's stats line; 0 turns it off

@@ -252,6 +252,11 @@ def create_app(settings: Settings | None = None) -> Celery:
 
 
 settings = get_settings()
+if settings.frontend:  # an intake process ends with the worker that started it, watched from
+    # import on: that worker can die while this process is still starting (a CI run saw one live on)
+    from .vllm_ext.plugin import watch_owner
+
+    watch_owner(settings.intake_owner or os.getppid())
 app = create_app(settings)
 guard_closed_channels()
 reuse_broker_clients()
@@ -290,6 +295,7 @@ class Intakes:
             os.environ,
             VQUEUE_FRONTEND=frontend,
             VQUEUE_INTAKE_OF=worker.hostname,
+            VQUEUE_INTAKE_OWNER=str(os.getpid()),
             VQUEUE_INTAKE_PROCESSES=str(count),
             VQUEUE_METRICS_PORT="0",  # the engine's metrics are the first process's
         )
@@ -388,10 +394,6 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
     warn_if_redis_may_evict(_store().r, "the result store")
     if settings.broker_url != settings.backend_url():
         warn_if_redis_may_evict(_broker(), "the broker")
-    if settings.frontend:  # an intake process ends with the worker that started it
-        from .vllm_ext.plugin import watch_owner
-
-        watch_owner(os.getppid())
     try:
         module, _sep, cls = settings.engine_class.partition(":")
         state.engine = getattr(importlib.import_module(module), cls)(settings)
