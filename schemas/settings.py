@@ -110,7 +110,7 @@ class Settings(BaseSettings):
     # engine, from 2 to 8 (8 on a 16-core host with one H200: docs/benchmarks.md).
     intake_processes: int = Field(default=0, ge=0, le=32)
     # jobs at this priority or above are urgent: they wait in <queue>.urgent, which every intake
-    # process takes from first, and a worker's urgent intake process takes from alone, with
+    # process takes from beside its other queues, and a worker's urgent intake alone, with
     # slots beyond the worker's share of bulk jobs; 10: no job is urgent
     urgent_priority: int = Field(default=9, ge=0, le=10)
     # urgent jobs one worker takes in beyond its share (its urgent intake process's slots); 0:
