@@ -152,13 +152,16 @@ def main() -> None:
         xs = [v[key] for v in rounds if v.get(key) is not None]
         return statistics.median(xs) if xs else None
 
-    print("| run | prefix jobs/s | last job in the engine s | queue wait p50 s | prompt build "
-          "p50 s | tiny jobs/s | tiny again jobs/s |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    print("| run | prefix jobs/s | last job out of Redis / prompt sent / in the engine s | queue "
+          "wait p50 s | prompt build p50 s | into vLLM p50 s | tiny jobs/s | tiny again jobs/s |"
+          "\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for r in rows:  # prefix: medians over its rounds
         ti, again = r.get("tiny", {}), r.get("tiny_again", {})
         print(
-            f"| {r['run']} | {f(med(r, 'jobs_per_s'), '.1f')} | {f(med(r, 'last_submitted_s'))} "
+            f"| {r['run']} | {f(med(r, 'jobs_per_s'), '.1f')} | {f(med(r, 'last_started_s'))} / "
+            f"{f(med(r, 'last_sent_s'))} / {f(med(r, 'last_submitted_s'))} "
             f"| {f(med(r, 'queue_wait_p50_s'))} | {f(med(r, 'prompt_build_p50_s'), '.3f')} | "
+            f"{f(med(r, 'into_vllm_p50_s'), '.3f')} | "
             f"{f(ti.get('jobs_per_s'), '.0f')} | {f(again.get('jobs_per_s'), '.0f')} |"
         )
 

@@ -44,7 +44,8 @@ def slowest(us: list[Any], t0_perf: float, n: int = 5) -> list[dict[str, Any]]:
             "id": u.id, "ttft_s": round(t.first_token_at - t.enqueued_at, 4),
             "came_s": round(t.enqueued_at - start, 3),
             "in_redis_s": gap(t.enqueued_at, t.started_at),
-            "prompt_s": gap(t.started_at, t.submitted_at),
+            "prompt_s": gap(t.started_at, t.sent_at),
+            "into_vllm_s": gap(t.sent_at, t.submitted_at),
             "engine_wait_s": gap(t.submitted_at, t.scheduled_at),
             "prefill_s": gap(t.scheduled_at, t.first_token_at), "worker": u.worker,
         })  # fmt: skip

@@ -140,12 +140,15 @@ def own_worker(
 
 class Stamps(NamedTuple):
     """One job's wall clocks through the system (None: not reported): queued in Redis
-    (enqueued to started), building its prompt (to submitted, when vLLM took it), in the
-    engine's queue (to scheduled), prefill (to the first token), then generating. Raw rows have
-    no Redis and no prompt to build: enqueued, started and their clock's start coincide."""
+    (enqueued to started), building its prompt (to sent), on its way into vLLM (the worker's
+    frontend process and vLLM's input processing, to submitted), in the engine's queue (to
+    scheduled), prefill (to the first token), then generating. Raw rows have no Redis, no
+    prompt to build and no frontend process: enqueued, started and sent are their clock's
+    start, and "into vLLM" is vLLM's own input processing of every prompt submitted at once."""
 
     enqueued: float | None = None
     started: float | None = None
+    sent: float | None = None
     submitted: float | None = None
     scheduled: float | None = None
     first: float | None = None
@@ -154,24 +157,28 @@ class Stamps(NamedTuple):
 
     @classmethod
     def of(cls, t: Any) -> Stamps:
-        return cls(t.enqueued_at, t.started_at, t.submitted_at, t.scheduled_at,
+        return cls(t.enqueued_at, t.started_at, t.sent_at, t.submitted_at, t.scheduled_at,
                    t.first_token_at, t.finished_at)  # fmt: skip
 
 
 PHASES = {  # row key: (from, to)
     "queue_wait_p50_s": ("enqueued", "started"),
-    "prompt_build_p50_s": ("started", "submitted"),
+    "prompt_build_p50_s": ("started", "sent"),
+    "into_vllm_p50_s": ("sent", "submitted"),
     "engine_wait_p50_s": ("submitted", "scheduled"),
     "prefill_p50_s": ("scheduled", "first"),
     "generating_p50_s": ("first", "finished"),
 }
+RAMP = ("first_submitted_s", "last_submitted_s", "last_started_s", "last_sent_s", "last_result_s")
 
 
 def phases(stamps: list[Stamps], t0: float) -> dict[str, Any]:
     """Where the jobs' time went, per phase (medians), and the batch's shape on the clock of its
     run (seconds from its start): when the first and last job reached the engine, and when the
     last finished. A queue that feeds the engine later than a raw caller shows as a later
-    ``last_submitted_s``; the rest is the same engine doing the same work."""
+    ``last_submitted_s``; the rest is the same engine doing the same work. When the last job
+    left Redis (``last_started_s``) and had its prompt built (``last_sent_s``) say which part
+    of the queue path set that ramp."""
 
     def span(a: str, b: str) -> list[float]:
         return [getattr(x, b) - getattr(x, a) for x in stamps if getattr(x, a) and getattr(x, b)]
@@ -180,6 +187,9 @@ def phases(stamps: list[Stamps], t0: float) -> dict[str, Any]:
     out: dict[str, Any] = {k: pct(span(a, b), 50) for k, (a, b) in PHASES.items()}
     out["first_submitted_s"] = min(subs) - t0 if subs else None
     out["last_submitted_s"] = max(subs) - t0 if subs else None
+    for key, field in (("last_started_s", "started"), ("last_sent_s", "sent")):
+        xs = [getattr(x, field) for x in stamps if getattr(x, field)]
+        out[key] = max(xs) - t0 if xs else None
     out["last_result_s"] = max((x.finished or t0) for x in stamps) - t0
     return out
 
@@ -433,7 +443,7 @@ class RawEngines:
             sum(len(ids) for _, _, ids, _ in prep),
             [x.ttft_first - t0 for x in stamps if x.ttft_first],
             retried=sum(r[1] for r in res),
-            **phases([x._replace(enqueued=t0, started=t0) for x in stamps], t0),
+            **phases([x._replace(enqueued=t0, started=t0, sent=t0) for x in stamps], t0),
         )
 
 
@@ -609,7 +619,7 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
                     r["ratio_vs_raw"] for r in rs if "ratio_vs_raw" in r
                 )
                 summary["ratio_min"] = min(r["ratio_vs_raw"] for r in rs if "ratio_vs_raw" in r)
-            for k in (*PHASES, "first_submitted_s", "last_submitted_s", "last_result_s"):
+            for k in (*PHASES, *RAMP):
                 summary[k] = _median(r.get(k) for r in rs)
             out.append(summary)
     return out, problems
@@ -628,14 +638,16 @@ def breakdown(summary: list[dict[str, Any]]) -> str:
     """Where the time went, per row (medians over rounds of per-round medians, seconds): the
     phases of a job, then when the last job reached the engine and the last result came."""
     lines = [
-        "| workload | system | Redis wait | prompt build | engine queue | prefill | generating "
-        "| first / last job in the engine | last result |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | system | Redis wait | prompt build | into vLLM | engine queue | prefill "
+        "| generating | last job out of Redis / prompt sent | first / last job in the engine "
+        "| last result |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         cells = " | ".join(_f(s.get(k), ".3f") for k in PHASES)
         lines.append(
-            f"| {s['workload']} | {s['system']} | {cells} | {_f(s.get('first_submitted_s'), '.3f')}"
+            f"| {s['workload']} | {s['system']} | {cells} | {_f(s.get('last_started_s'), '.3f')}"
+            f" / {_f(s.get('last_sent_s'), '.3f')} | {_f(s.get('first_submitted_s'), '.3f')}"
             f" / {_f(s.get('last_submitted_s'), '.3f')} | {_f(s.get('last_result_s'))} |"
         )
     return "\n".join(lines)

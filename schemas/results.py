@@ -83,13 +83,15 @@ class Attempt(BaseModel):
 class Timings(BaseModel):
     """Wall-clock epoch seconds of a job's way through a worker: queued in Redis until
     ``started_at``, building its prompt (input limits, chat template, tokenizing) until
-    ``submitted_at``, waiting in the engine's scheduler until ``scheduled_at``, prefill until
-    ``first_token_at``, then generating until ``finished_at``. The three engine stamps are the
-    returned attempt's (a job run again has the earlier attempts before ``submitted_at``) and
-    None where the engine did not report them."""
+    ``sent_at``, on its way into vLLM (the worker's frontend process, vLLM's input processing)
+    until ``submitted_at``, waiting in the engine's scheduler until ``scheduled_at``, prefill
+    until ``first_token_at``, then generating until ``finished_at``. The stamps from
+    ``sent_at`` to ``first_token_at`` are the returned attempt's (a job run again has the
+    earlier attempts before ``sent_at``); the engine's are None where it did not report them."""
 
     enqueued_at: float
     started_at: float | None = None
+    sent_at: float | None = None
     submitted_at: float | None = None
     scheduled_at: float | None = None
     first_token_at: float | None = None

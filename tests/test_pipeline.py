@@ -68,9 +68,9 @@ def test_three_job_types_complete(worker: WorkerProc, client: Client) -> None:
     for r in results.values():
         assert r.worker == worker.node and r.batch == batch.id
         assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
-        t = r.timings  # queued, prompt built, in the engine's queue, prefill, generating
-        stamps = [t.enqueued_at, t.started_at, t.submitted_at, t.scheduled_at, t.first_token_at,
-                  t.finished_at]  # fmt: skip
+        t = r.timings  # queued, prompt built, into vLLM, its queue, prefill, generating
+        stamps = [t.enqueued_at, t.started_at, t.sent_at, t.submitted_at, t.scheduled_at,
+                  t.first_token_at, t.finished_at]  # fmt: skip
         assert None not in stamps and stamps == sorted(stamps), stamps
     st = batch.status()
     assert (st.total, st.completed, st.failed) == (3, 3, 0)

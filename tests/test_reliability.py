@@ -707,6 +707,11 @@ def test_intake_processes_share_one_engine_and_end_with_the_worker(
     tree = psutil.Process(w.proc.pid).children(recursive=True)
     cores = [p for p in tree if "EngineCore" in " ".join(p.cmdline()) + p.name()]
     assert len(cores) == 1, [p.cmdline()[:3] for p in tree]
+    # (the intake processes started before the engine's frontend, not once it was up)
+    frontend = [p for p in tree if "vqueue::frontend" in " ".join(p.cmdline()) + p.name()]
+    intakes = [p for p in tree if "-intake1@" in " ".join(p.cmdline())]
+    assert len(frontend) == 1 and len(intakes) == 1, [p.cmdline()[:3] for p in tree]
+    assert intakes[0].create_time() <= frontend[0].create_time()
 
     # When the worker is killed with SIGKILL in the middle of the next batch
     jobs = [{**j, "id": f"k{i}", "max_tokens": 48, "min_tokens": 48} for i, j in enumerate(jobs)]

@@ -76,6 +76,7 @@ class Generation:
     completion_tokens: int
     first_token_at: float | None  # wall clock, from the engine's own request stats
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    sent_at: float | None = None  # wall clock: the prompt left for vLLM's frontend
     submitted_at: float | None = None  # wall clock: vLLM received the prompt
     scheduled_at: float | None = None  # wall clock: the engine first scheduled it
     aborted: bool = False  # the confidence monitor stopped it (logprob early stop)
@@ -86,7 +87,9 @@ class EngineHost:
     """The worker's engine: vLLM's frontend process, the tokenizer used for prompt building,
     prefix gating, and the bookkeeping of the requests in flight."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, listen: tuple[str, bytes] | None = None) -> None:
+        """``listen``: where the frontend takes the worker's other intake processes
+        (``listen_address``), which the worker starts before this returns."""
         self.settings = settings
         check_engine_settings(settings, has_cuda(), _gpu_count())
         self.model_path = resolve_model(settings.model)
@@ -108,10 +111,6 @@ class EngineHost:
             self.frontend = connect(address, bytes.fromhex(key))
             self.stats = None  # the engine's numbers are reported once, by that process
         else:
-            listen = None
-            if settings.intake_processes > 1 or settings.urgent_concurrency:  # app.Intakes
-                sock = f"vqueue-frontend-{os.getpid()}-{os.urandom(4).hex()}.sock"
-                listen = (os.path.join(tempfile.gettempdir(), sock), os.urandom(16))
             self.frontend = FrontendProcess(settings, self.model_path, self.stats.apply, listen)
             metrics.forward_engine_metrics(self.frontend.metrics_text)
         self.plan: Plan | None = self.frontend.plan
@@ -174,6 +173,7 @@ class EngineHost:
         elif monitor is not None and self.plan is not None and self.plan.monitor == "logprobs":
             rule = LogprobRule(monitor)
         order = 9 - priority if self.settings.scheduling_policy == "priority" else 0
+        sent_at = time.time()
         try:
             future = self.frontend.submit(prompt_ids, params, order, priority, first_of_group, rule)
         except BaseException:
@@ -221,6 +221,7 @@ class EngineHost:
             completion_tokens=tokens,
             first_token_at=out.first_token_at,
             cached_tokens=out.cached_tokens,
+            sent_at=sent_at,
             submitted_at=out.arrived_at,
             scheduled_at=out.scheduled_at,
             aborted=aborted,
@@ -259,11 +260,19 @@ class EngineHost:
         event.wait(min(limit, self.settings.prefix_gate_timeout_s))
         return None
 
-    @property
-    def frontend_address(self) -> str | None:
-        """Where this worker's other intake processes reach its frontend (``Settings.frontend``)."""
-        listen = getattr(self.frontend, "listen", None)
-        return f"{listen[0]}#{listen[1].hex()}" if listen else None
+    @staticmethod
+    def listen_address(settings: Settings) -> tuple[str, bytes] | None:
+        """A fresh Unix socket and key for the frontend to take the worker's other intake
+        processes on (``app.Intakes``), when it has any; ``frontend_address`` spells it."""
+        if not (settings.intake_processes > 1 or settings.urgent_concurrency):
+            return None
+        sock = f"vqueue-frontend-{os.getpid()}-{os.urandom(4).hex()}.sock"
+        return os.path.join(tempfile.gettempdir(), sock), os.urandom(16)
+
+    @staticmethod
+    def frontend_address(listen: tuple[str, bytes]) -> str:
+        """How an intake process is told where its engine is (``Settings.frontend``)."""
+        return f"{listen[0]}#{listen[1].hex()}"
 
     def close(self) -> None:
         try:

@@ -43,6 +43,7 @@ import pickle
 import queue
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from multiprocessing import connection
@@ -63,6 +64,9 @@ ADMIT_PER_TICK = 32
 STATS_EVERY_S = 1.0
 # messages the frontend sends in one write, at most
 SEND_BATCH = 512
+# how long an intake process waits for its worker's frontend to listen: the frontend spawns,
+# imports vLLM and listens before it loads the model, which is seconds, not minutes
+CONNECT_WAIT_S = 300.0
 
 
 class EngineError(RuntimeError):
@@ -301,7 +305,6 @@ class FrontendProcess(FrontendLink):
             if shared is not None:
                 os.environ["PROMETHEUS_MULTIPROC_DIR"] = shared
         theirs.close()
-        self.listen = listen
         super().__init__(conn, on_stats, process)
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -318,12 +321,27 @@ class FrontendProcess(FrontendLink):
         self._die("the engine was closed")
 
 
-def connect(address: str, authkey: bytes) -> FrontendLink:
-    """A connection to another process's frontend (an intake process's way to its engine)."""
-    try:
-        conn = connection.Client(address, family="AF_UNIX", authkey=authkey)
-    except (OSError, multiprocessing.AuthenticationError) as exc:
-        raise EngineDead(f"the engine's frontend at {address} cannot be reached: {exc}") from None
+def connect(address: str, authkey: bytes, wait_s: float = CONNECT_WAIT_S) -> FrontendLink:
+    """A connection to another process's frontend (an intake process's way to its engine).
+
+    The worker starts its intake processes while its frontend starts vLLM: until the frontend
+    listens, its socket is missing or refuses, and this tries again for up to ``wait_s``
+    (the worker that started this process is watched meanwhile: ``watch_owner``). Once
+    connected, it blocks until the engine is ready."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            conn = connection.Client(address, family="AF_UNIX", authkey=authkey)
+            break
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            if time.monotonic() > deadline:
+                waited = f"was not listening after {wait_s:g}s"
+                raise EngineDead(f"the engine's frontend at {address} {waited}: {exc}") from None
+            time.sleep(0.2)
+        except (OSError, EOFError, multiprocessing.AuthenticationError) as exc:
+            raise EngineDead(
+                f"the engine's frontend at {address} cannot be reached: {exc}"
+            ) from None
     return FrontendLink(conn)
 
 
@@ -366,6 +384,11 @@ def serve(
     # a worker killed with SIGKILL takes this process within a second (and vLLM's processes,
     # which watch this one, a second later): an orphaned engine would keep the GPU's memory
     watch_owner(os.getppid())
+    # listening from the start: the worker's intake processes start beside the engine, not
+    # after it (they import as much as a worker does), and wait in the backlog until it is up
+    listener = None
+    if listen is not None:
+        listener = connection.Listener(listen[0], family="AF_UNIX", backlog=64, authkey=listen[1])
     try:
         frontend = Frontend(conn, settings, model_path)
     except ConfigError as exc:
@@ -375,8 +398,8 @@ def serve(
         log.exception("the vLLM engine failed to start")
         conn.send(("failed", "engine", f"{type(exc).__name__}: {exc}"))
         return
-    if listen is not None:
-        frontend.listen(*listen)
+    if listener is not None:
+        frontend.listen(listener)
     frontend.run()
 
 
@@ -467,11 +490,10 @@ class Frontend:
             self.main.out.put(("stats", self.stats.totals()))
             await asyncio.sleep(STATS_EVERY_S)
 
-    def listen(self, address: str, authkey: bytes) -> None:
+    def listen(self, listener: Any) -> None:
         """Take the worker's intake processes' connections (``connect``) on a Unix socket
         only they know the key of; each gets the tokenizer and its own reader and sender."""
-        listener = connection.Listener(address, family="AF_UNIX", authkey=authkey)
-        log.info("serving the worker's intake processes on %s", address)
+        log.info("serving the worker's intake processes on %s", listener.address)
 
         def accept() -> None:
             for n in itertools.count(1):

@@ -133,7 +133,7 @@ def run_job(
             + sum(a.tokens for a in result.attempts if a.reason in ("low_confidence", "loop")),
         )
         t = result.timings
-        t.submitted_at, t.scheduled_at = gen.submitted_at, gen.scheduled_at
+        t.sent_at, t.submitted_at, t.scheduled_at = gen.sent_at, gen.submitted_at, gen.scheduled_at
         t.first_token_at = gen.first_token_at
         _read_output(job, gen.text, gen.finish_reason, result, max_tokens, cut)
     except (JobFailed, SchemaRefused) as exc:
