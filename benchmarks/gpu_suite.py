@@ -93,10 +93,12 @@ def launch_worker(
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
-    def up() -> bool:  # the worker and every intake process feeding its engine
+    urgent = int(env.get("VQUEUE_URGENT_CONCURRENCY", "16")) > 0
+
+    def up() -> bool:  # the worker and every intake process feeding its engine, urgent included
         workers = store.workers()
         first = [w for w in workers if w.get("name") == name]
-        want = first[0].get("intake_processes", 1) - 1 if first else 0
+        want = first[0].get("intake_processes", 1) - 1 + urgent if first else 0
         return bool(first) and sum(w.get("intake_of") == name for w in workers) >= want
 
     while not up():

@@ -47,6 +47,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from multiprocessing import connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from schemas import Settings
@@ -328,6 +329,7 @@ def connect(address: str, authkey: bytes, wait_s: float = CONNECT_WAIT_S) -> Fro
     listens, its socket is missing or refuses, and this tries again for up to ``wait_s``
     (the worker that started this process is watched meanwhile: ``watch_owner``). Once
     connected, it blocks until the engine is ready."""
+    _preload()  # while the engine starts, not once it is up and waiting
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -494,21 +496,33 @@ class Frontend:
         """Take the worker's intake processes' connections (``connect``) on a Unix socket
         only they know the key of; each gets the tokenizer and its own reader and sender."""
         log.info("serving the worker's intake processes on %s", listener.address)
+        # pickled once: the tokenizer is megabytes, and every intake process gets the same
+        ready = ForkingPickler.dumps(("ready", self.plan, self.tokenizer))
 
         def accept() -> None:
             for n in itertools.count(1):
                 try:
                     conn = listener.accept()
-                    conn.send(("ready", self.plan, self.tokenizer))
                 except (OSError, EOFError, multiprocessing.AuthenticationError) as exc:
                     log.warning("an intake connection failed: %s", exc)
                     continue
-                link = _Link(conn, f"vqueue-intake-{n}")
-                threading.Thread(target=self._serve_intake, args=(link,), daemon=True).start()
+                # each in a thread of its own: sending the tokenizer blocks until that process
+                # reads it, and one still starting must not hold up the others (on the H200
+                # eight connected one after another, 15 s apart)
+                name = f"vqueue-intake-{n}"
+                threading.Thread(
+                    target=self._serve_intake, args=(conn, name, ready), name=name, daemon=True
+                ).start()
 
         threading.Thread(target=accept, name="vqueue-frontend-listen", daemon=True).start()
 
-    def _serve_intake(self, link: _Link) -> None:
+    def _serve_intake(self, conn: Any, name: str, ready: bytes) -> None:
+        try:
+            conn.send_bytes(ready)
+        except OSError as exc:
+            log.warning("an intake connection failed: %s", exc)
+            return
+        link = _Link(conn, name)
         self._read(link)
         with self._lock:
             mine = [rid for rid, owner in self._owner.items() if owner is link]
