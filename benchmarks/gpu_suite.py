@@ -93,7 +93,8 @@ def launch_worker(
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
-    urgent = int(env.get("VQUEUE_URGENT_CONCURRENCY", "16")) > 0
+    default = Settings.model_fields["urgent_concurrency"].default
+    urgent = int(env.get("VQUEUE_URGENT_CONCURRENCY", default)) > 0
 
     def up() -> bool:  # the worker and every intake process feeding its engine, urgent included
         workers = store.workers()

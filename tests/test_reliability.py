@@ -92,7 +92,7 @@ def _mid_tick(delay: float) -> None:
 
 def _in_flight(client: Client, batch: str) -> int:
     """Jobs started (their first delivery recorded) and not yet finished."""
-    return int(client.store.r.hlen(client.store.key(batch, "attempts"))) - _done(client, batch)
+    return _started(client, batch) - _done(client, batch)
 
 
 def _started(client: Client, batch: str) -> int:

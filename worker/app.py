@@ -285,10 +285,10 @@ class Intakes:
       bulk jobs filling every other process's share, this one still takes an urgent job at
       once, and vLLM's priority scheduling runs it ahead of the bulk jobs waiting in the engine.
 
-    The first process starts them as it starts the engine (they connect once it is up: each
-    takes as long to import as a worker, and on the H200 a worker with eight took 160 s to start
-    where vLLM alone took 65), starts one again if it dies while the engine lives, and stops
-    them when it stops; they exit if it dies (``watch_owner``)."""
+    The first process starts them before it starts the engine, so that their imports overlap
+    vLLM's load, and they connect all at once when it is up (``frontend.connect``); it starts
+    one again if it dies while the engine lives, and stops them when it stops; they exit if it
+    dies (``watch_owner``)."""
 
     def __init__(self, worker: Any, count: int, urgent: int, frontend: str) -> None:
         self.worker = worker
@@ -399,8 +399,8 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
     try:
         module, _sep, name = settings.engine_class.partition(":")
         engine_class = getattr(importlib.import_module(module), name)
-        # the other intake processes start now, beside the engine, and connect once it is up:
-        # each imports what a worker does, which took longer than vLLM's start on the H200
+        # the other intake processes start now and import while vLLM loads; they connect once
+        # it is up (started after it, and connected in turn, they doubled a worker's start)
         listen = None
         if not settings.frontend and hasattr(engine_class, "listen_address"):
             listen = engine_class.listen_address(settings)

@@ -65,8 +65,8 @@ ADMIT_PER_TICK = 32
 STATS_EVERY_S = 1.0
 # messages the frontend sends in one write, at most
 SEND_BATCH = 512
-# how long an intake process waits for its worker's frontend to listen: the frontend spawns,
-# imports vLLM and listens before it loads the model, which is seconds, not minutes
+# how long an intake process waits for its worker's frontend to listen: the frontend listens
+# as soon as it is spawned, before it loads vLLM, which is seconds, not minutes
 CONNECT_WAIT_S = 300.0
 
 
