@@ -146,8 +146,9 @@ class Stamps(NamedTuple):
     (enqueued to started), building its prompt (to sent), on its way into vLLM (the worker's
     frontend process and vLLM's input processing, to submitted), in the engine's queue (to
     scheduled), prefill (to the first token), then generating. Raw rows have no Redis, no
-    prompt to build and no frontend process: enqueued, started and sent are their clock's
-    start, and "into vLLM" is vLLM's own input processing of every prompt submitted at once."""
+    prompt to build and no frontend process: enqueued and started are their clock's start,
+    sent is when the request's coroutine called vLLM, and "into vLLM" is vLLM's own input
+    processing of every prompt submitted at once."""
 
     enqueued: float | None = None
     started: float | None = None
@@ -157,11 +158,12 @@ class Stamps(NamedTuple):
     first: float | None = None
     finished: float | None = None
     ttft_first: float | None = None  # raw rows: the first attempt's first token
+    previous: float | None = None  # a job run again: when its earlier attempt ended
 
     @classmethod
     def of(cls, t: Any) -> Stamps:
         return cls(t.enqueued_at, t.started_at, t.sent_at, t.submitted_at, t.scheduled_at,
-                   t.first_token_at, t.finished_at)  # fmt: skip
+                   t.first_token_at, t.finished_at, previous=t.previous_finished_at)  # fmt: skip
 
 
 PHASES = {  # row key: (from, to)
@@ -173,6 +175,9 @@ PHASES = {  # row key: (from, to)
     "generating_p50_s": ("first", "finished"),
 }
 RAMP = ("first_submitted_s", "last_submitted_s", "last_started_s", "last_sent_s", "last_result_s")
+# jobs run again (a cut-off JSON answer): when the last first run ended, and how long from a
+# first run's end to its rerun's prompt sent (vqueue: back to the task thread and out again)
+RERUN = ("first_runs_done_s", "rerun_gap_p50_s", "rerun_gap_max_s")
 
 
 def phases(stamps: list[Stamps], t0: float) -> dict[str, Any]:
@@ -194,6 +199,11 @@ def phases(stamps: list[Stamps], t0: float) -> dict[str, Any]:
         xs = [getattr(x, field) for x in stamps if getattr(x, field)]
         out[key] = max(xs) - t0 if xs else None
     out["last_result_s"] = max((x.finished or t0) for x in stamps) - t0
+    gaps = span("previous", "sent")
+    prev = [x.previous for x in stamps if x.previous]
+    out["first_runs_done_s"] = max(prev) - t0 if prev else None
+    out["rerun_gap_p50_s"] = pct(gaps, 50)
+    out["rerun_gap_max_s"] = max(gaps) if gaps else None
     return out
 
 
@@ -407,8 +417,10 @@ class RawEngines:
         async def one(job: Any, ids: list[int], n: int) -> tuple[int, int, Stamps]:
             tokens, retried = 0, 0
             first_first: float | None = None
+            previous: float | None = None
             for attempt in (0, 1):
                 final = None
+                sent = time.time()
                 async for out in self.engine.generate(
                     {"prompt_token_ids": ids}, sampling_params(job, n), uuid.uuid4().hex
                 ):
@@ -417,6 +429,7 @@ class RawEngines:
                 tokens += len(final.outputs[0].token_ids)
                 # the returned attempt's engine stamps, as a vqueue result carries them
                 st = Stamps(
+                    sent=sent,
                     submitted=_arrived_at(final),
                     scheduled=_scheduled_at(final),
                     first=_first_token_at(final),
@@ -426,8 +439,8 @@ class RawEngines:
                 cut = final.outputs[0].finish_reason == "length"
                 if attempt or not (_wants_json(job) and cut and room - len(ids) > n):
                     break
-                n, retried = min(2 * n, room - len(ids)), 1
-            return tokens, retried, st._replace(ttft_first=first_first)
+                n, retried, previous = min(2 * n, room - len(ids)), 1, st.finished
+            return tokens, retried, st._replace(ttft_first=first_first, previous=previous)
 
         async def everything() -> list[tuple[int, int, Stamps]]:
             return await asyncio.gather(*(one(j, ids, n) for j, _, ids, n in prep))
@@ -446,7 +459,7 @@ class RawEngines:
             sum(len(ids) for _, _, ids, _ in prep),
             [x.ttft_first - t0 for x in stamps if x.ttft_first],
             retried=sum(r[1] for r in res),
-            **phases([x._replace(enqueued=t0, started=t0, sent=t0) for x in stamps], t0),
+            **phases([x._replace(enqueued=t0, started=t0) for x in stamps], t0),
         )
 
 
@@ -528,9 +541,6 @@ class Vqueue:
         )
         if a.kv_cache_bytes:
             env["VQUEUE_KV_CACHE_MEMORY_BYTES"] = str(a.kv_cache_bytes)
-        if a.profile:  # the real engine plus a sampling profiler thread (profiled_engine.py)
-            env["VQUEUE_ENGINE_CLASS"] = "benchmarks.profiled_engine:ProfiledEngine"
-            env["VQUEUE_BENCH_PROFILE"] = str(Path(a.out) / "worker-profile.txt")
         w = own_worker("bench", a.model, a.redis, Path(a.out) / "vqueue-worker.log",
                        "-l", "WARNING", **env)  # fmt: skip
         self.proc, self.log, self.start_s, self.client = w.proc, w.log, w.start_s, w.client
@@ -622,7 +632,7 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
                     r["ratio_vs_raw"] for r in rs if "ratio_vs_raw" in r
                 )
                 summary["ratio_min"] = min(r["ratio_vs_raw"] for r in rs if "ratio_vs_raw" in r)
-            for k in (*PHASES, *RAMP):
+            for k in (*PHASES, *RAMP, *RERUN):
                 summary[k] = _median(r.get(k) for r in rs)
             out.append(summary)
     return out, problems
@@ -643,15 +653,21 @@ def breakdown(summary: list[dict[str, Any]]) -> str:
     lines = [
         "| workload | system | Redis wait | prompt build | into vLLM | engine queue | prefill "
         "| generating | last job out of Redis / prompt sent | first / last job in the engine "
-        "| last result |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| last result | reruns: first runs done, gap p50 / max |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         cells = " | ".join(_f(s.get(k), ".3f") for k in PHASES)
         lines.append(
             f"| {s['workload']} | {s['system']} | {cells} | {_f(s.get('last_started_s'), '.3f')}"
             f" / {_f(s.get('last_sent_s'), '.3f')} | {_f(s.get('first_submitted_s'), '.3f')}"
-            f" / {_f(s.get('last_submitted_s'), '.3f')} | {_f(s.get('last_result_s'))} |"
+            f" / {_f(s.get('last_submitted_s'), '.3f')} | {_f(s.get('last_result_s'))} | "
+            + (
+                f"{_f(s.get('first_runs_done_s'))}, {_f(s.get('rerun_gap_p50_s'), '.3f')} / "
+                f"{_f(s.get('rerun_gap_max_s'), '.3f')} |"
+                if s.get("first_runs_done_s") is not None
+                else "- |"
+            )
         )
     return "\n".join(lines)
 
@@ -722,7 +738,10 @@ def main() -> None:
         help="start no round that would end past this many seconds (0: no limit)",
     )
     ap.add_argument(
-        "--profile", action="store_true", help="sample the worker's stacks (worker-profile.txt)"
+        "--profile",
+        action="store_true",
+        help="one more round, not measured, with every process sampling its stacks "
+        "(benchmarks/sampler.py: profile/ and profile.md under --out)",
     )
     ap.add_argument("--serve-raw", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -739,7 +758,19 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     scale_of = {k: float(v) for k, v in (x.split("=") for x in a.scale_of.split(",") if x)}
     texts = wl.TextMaker.of_model(a.model)
-    loads = {r: build(texts, a.scale, a.workloads, scale_of, r) for r in range(1, a.rounds + 1)}
+    last = a.rounds + a.profile  # the profiled round is one more, on prompts of its own
+    loads = {r: build(texts, a.scale, a.workloads, scale_of, r) for r in range(1, last + 1)}
+    prof = out / "profile"
+    if a.profile:  # every process started from here on samples itself while prof/on exists
+        from . import sampler
+
+        prof.mkdir(exist_ok=True)
+        hook = str(ROOT / "benchmarks" / "profile_hook")
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [hook, os.environ.get("PYTHONPATH")])
+        )
+        os.environ["VQUEUE_BENCH_PROFILE_DIR"] = str(prof)
+        sampler.start()
     (out / "workloads.json").write_text(json.dumps(loads))
     meta: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -771,19 +802,29 @@ def main() -> None:
         for s in systems:  # CUDA graphs, grammars, allocators: warm on every system
             _ = vq.run("warmup", warmup(a.scale), 0) if s == "vqueue" else raw.run(s, "warmup", 0)
         round_s = 0.0
-        for rnd in range(1, a.rounds + 1):
+        for rnd in range(1, last + 1):
             if a.budget_s and time.perf_counter() - began + round_s > a.budget_s:
                 print(f"round {rnd} would end past --budget-s; stopping", flush=True)
                 break
+            profiled = rnd > a.rounds
             t = time.perf_counter()
             order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
             for name, jobs in loads[rnd].items():
                 for s in order:
+                    part = f"{name}-{s.replace(' ', '-').replace('.', '')}"
+                    if profiled:  # every process samples itself during this run only
+                        (prof / "on").write_text(part)
                     r = vq.run(name, jobs, rnd) if s == "vqueue" else raw.run(s, name, rnd)
-                    rows.append(r)
+                    if profiled:
+                        (prof / "on").unlink()
+                        time.sleep(0.6)  # each writes its stacks under prof/part
+                        report = sampler.summarize(prof / part, 30)
+                        (out / f"profile-{part}.md").write_text(report + "\n")
+                    (meta.setdefault("profiled_rows", []) if profiled else rows).append(r)
                     print(json.dumps(r), flush=True)
             round_s = time.perf_counter() - t
-            meta["rounds_done"] = rnd
+            if not profiled:
+                meta["rounds_done"] = rnd
             text, problems = write(out, meta, rows)
     finally:
         if vq is not None:

@@ -87,7 +87,9 @@ class Timings(BaseModel):
     until ``submitted_at``, waiting in the engine's scheduler until ``scheduled_at``, prefill
     until ``first_token_at``, then generating until ``finished_at``. The stamps from
     ``sent_at`` to ``first_token_at`` are the returned attempt's (a job run again has the
-    earlier attempts before ``sent_at``); the engine's are None where it did not report them."""
+    earlier attempts before ``sent_at``, the last of them ending at ``previous_finished_at``:
+    from there to ``sent_at`` is what running it again cost besides the generation); the
+    engine's are None where it did not report them."""
 
     enqueued_at: float
     started_at: float | None = None
@@ -96,6 +98,9 @@ class Timings(BaseModel):
     scheduled_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
+    # a job run again (a cut-off JSON answer, an early-stop abort, a loop): when the attempt
+    # before the returned one had its final output in vLLM's frontend
+    previous_finished_at: float | None = None
 
 
 class JobResult(BaseModel):

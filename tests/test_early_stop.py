@@ -88,6 +88,10 @@ def test_low_confidence_is_aborted_retried_and_recorded(worker: WorkerProc, clie
         assert r.usage.completion_tokens == last.tokens
         aborted = [a for a in r.attempts if a.reason == "low_confidence"]
         assert r.usage.wasted_tokens == sum(a.tokens for a in aborted)
+        # and its timings show when the attempt before the returned one ended
+        t = r.timings
+        assert t.started_at and t.previous_finished_at and t.sent_at
+        assert t.started_at < t.previous_finished_at <= t.sent_at, t
     # while the normal greedy jobs ran once, unaborted, under the summarize default policy
     for i in range(len(NORMAL)):
         r = got[f"ok-{i}"]

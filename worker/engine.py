@@ -79,6 +79,7 @@ class Generation:
     sent_at: float | None = None  # wall clock: the prompt left for vLLM's frontend
     submitted_at: float | None = None  # wall clock: vLLM received the prompt
     scheduled_at: float | None = None  # wall clock: the engine first scheduled it
+    finished_at: float | None = None  # wall clock: the final output reached vLLM's frontend
     aborted: bool = False  # the confidence monitor stopped it (logprob early stop)
     confidence: Reading | None = None  # the monitor's numbers, when it watched this request
 
@@ -224,6 +225,7 @@ class EngineHost:
             sent_at=sent_at,
             submitted_at=out.arrived_at,
             scheduled_at=out.scheduled_at,
+            finished_at=out.finished_at,
             aborted=aborted,
             confidence=reading,
         )

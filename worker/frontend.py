@@ -97,6 +97,7 @@ class Output:
     scheduled_at: float | None = None  # wall clock: the engine first scheduled it
     aborted: bool = False  # the logprob rule stopped it (the path without the monitor)
     reading: Reading | None = None  # the rule's numbers, on that path
+    finished_at: float | None = None  # wall clock: the final output reached the frontend
 
 
 # ------------------------------------------------------------------------- the worker's end
@@ -683,6 +684,7 @@ class Frontend:
             scheduled_at=_scheduled_at(final),
             aborted=aborted,
             reading=reading,
+            finished_at=time.time(),
         )
 
 

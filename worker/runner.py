@@ -120,6 +120,7 @@ def run_job(
             # JSON cut off: once more with twice the room; what the first run wrote is lost
             cut = gen.completion_tokens
             max_tokens = min(2 * max_tokens, room)
+            result.timings.previous_finished_at = gen.finished_at
             gen = generate(
                 job, engine, settings, prompt, max_tokens, None, result, grammar, deadline
             )
@@ -196,6 +197,7 @@ def generate(
         if gen.finish_reason != "repetition":
             return gen
         penalty = settings.loop_retry_frequency_penalty
+        result.timings.previous_finished_at = gen.finished_at
     return gen  # every run looped: the caller reports it
 
 
@@ -264,6 +266,7 @@ def _attempts(
         if not gen.aborted:
             result.low_confidence = result.attempts[-1].low_confidence
             return gen
+        result.timings.previous_finished_at = gen.finished_at
     raise AssertionError("the last attempt is never aborted")  # pragma: no cover
 
 
