@@ -580,6 +580,52 @@ class Vqueue:
         stop(self.proc, self.log, 120)
 
 
+# ------------------------------------------------------------------------------- the GPU
+class GpuWatch:
+    """The GPU's SM clock, power and throttle reasons every 100 ms (NVML, through vLLM's own
+    copy of pynvml), so that a row can say whether the card itself ran slower during it."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int, float, int]] = []  # time, MHz, W, reasons
+        try:
+            from vllm.third_party import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml, self._h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # no NVIDIA GPU here: rows go without
+            return
+        threading.Thread(target=self._run, name="gpu-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        nv, h = self._nvml, self._h
+        while True:
+            try:
+                self.samples.append(
+                    (
+                        time.time(),
+                        nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+                        nv.nvmlDeviceGetPowerUsage(h) / 1000,
+                        nv.nvmlDeviceGetCurrentClocksThrottleReasons(h),
+                    )
+                )
+            except Exception:  # noqa: BLE001
+                return
+            time.sleep(0.1)
+
+    def during(self, t0: float, t1: float) -> dict[str, Any]:
+        xs = [x for x in self.samples if t0 <= x[0] <= t1]
+        if not xs:
+            return {}
+        # reasons other than idle (1) and the application clock setting (2)
+        slowed = sum(1 for x in xs if x[3] & ~0x3) / len(xs)
+        return {
+            "sm_mhz_mean": statistics.mean(x[1] for x in xs),
+            "sm_mhz_min": min(x[1] for x in xs),
+            "power_w_mean": statistics.mean(x[2] for x in xs),
+            "throttled_share": slowed,
+        }
+
+
 # ------------------------------------------------------------------------------- report
 def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
     """Per workload and system: medians over rounds; vqueue's ratio to the better raw row per
@@ -743,6 +789,12 @@ def main() -> None:
         help="one more round, not measured, with every process sampling its stacks "
         "(benchmarks/sampler.py: profile/ and profile.md under --out)",
     )
+    ap.add_argument(
+        "--pause-s",
+        type=float,
+        default=0.0,
+        help="idle seconds before every run, so that none starts in the last one's wake",
+    )
     ap.add_argument("--serve-raw", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.workloads = a.workloads.split(",")
@@ -785,6 +837,7 @@ def main() -> None:
         "workloads": {k: len(v) for k, v in loads[1].items()},
     }
     env = plugin_env()
+    gpu = GpuWatch()
     t = time.perf_counter()
     raw = RawChild(a, env)  # one engine at a time: vLLM checks free memory as each one starts
     meta.update(raw.info, raw_process_start_s=time.perf_counter() - t)
@@ -812,9 +865,12 @@ def main() -> None:
             for name, jobs in loads[rnd].items():
                 for s in order:
                     part = f"{name}-{s.replace(' ', '-').replace('.', '')}"
+                    time.sleep(a.pause_s)
                     if profiled:  # every process samples itself during this run only
                         (prof / "on").write_text(part)
+                    t_run = time.time()
                     r = vq.run(name, jobs, rnd) if s == "vqueue" else raw.run(s, name, rnd)
+                    r.update(started_at=t_run, **gpu.during(t_run, time.time()))
                     if profiled:
                         (prof / "on").unlink()
                         time.sleep(0.6)  # each writes its stacks under prof/part

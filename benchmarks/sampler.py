@@ -7,7 +7,8 @@ py-spy cannot attach on the lent GPU machine, so each process samples itself: a 
 folder of that name), and charges each thread's stack with the CPU time that
 thread used since the last sample (its own clock, ``pthread_getcpuclockid``): a thread blocked on
 a lock, a socket or a queue costs nothing, a thread in C code (tokenizers, xgrammar) costs what
-it burns. Collapsed stacks (``thread;frames seconds``) go to
+it burns. Garbage collections are timed too (``gc;generation N``, wall seconds, whichever
+thread ran them). Collapsed stacks (``thread;frames seconds``) go to
 ``<dir>/<part>/<process title>-<pid>.txt``. The suite's ``--profile`` starts every process with
 ``benchmarks/profile_hook`` on ``PYTHONPATH`` (its ``sitecustomize`` calls ``start``) and turns
 sampling on for each run of one extra, unmeasured round (part: ``<workload>-<system>``).
@@ -18,6 +19,7 @@ sampling on for each run of one extra, unmeasured round (part: ``<workload>-<sys
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import sys
@@ -64,11 +66,24 @@ def _run() -> None:
     me, names, written = threading.get_ident(), {}, time.monotonic()
     used: dict[int, float] = {}  # each thread's CPU clock at the last sample
     part = ""
+    began = [0.0]
+    # keys fixed up front: a collection may run inside any allocation, the sampler's included
+    in_gc = {f"gc;generation {g}": 0.0 for g in range(3)}
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        elif began[0] and part:
+            in_gc[f"gc;generation {info.get('generation')}"] += time.perf_counter() - began[0]
+
+    gc.callbacks.append(timed)
     while True:
         if not flag.exists():
             if seconds:
+                seconds.update((k, v) for k, v in in_gc.items() if v)
                 _write(folder / part, seconds)
                 seconds.clear()
+                in_gc.update(dict.fromkeys(in_gc, 0.0))
             used.clear()
             part = ""
             time.sleep(0.1)
