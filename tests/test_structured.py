@@ -213,6 +213,26 @@ def test_grammar_compilation_is_bounded_and_remembered() -> None:
     assert list(ok._seen.values()) == [None]
 
 
+def test_the_grammar_check_builds_its_tokenizer_at_start() -> None:
+    # Given the worker's grammar check, warmed as a starting worker does (app._build_engine)
+    from transformers import AutoTokenizer
+
+    from worker.models import resolve_model
+    from worker.structured import GrammarCheck
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
+    check = GrammarCheck(tok, timeout_s=30)
+    check.warm()
+    built = check._ll
+    # Then llguidance's tokenizer (a second of held GIL on a large vocabulary) exists before
+    # any job, and the first schema's check uses it rather than building another
+    assert built is not None
+    check.check({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert check._ll is built
+    # and a check without a tokenizer (a stand-in engine) warms to nothing, quietly
+    GrammarCheck(None, timeout_s=30).warm()
+
+
 def test_budget_and_grammar_schema_follow_the_schema() -> None:
     from worker.structured import NUMBER_BOUND, generation_schema, schema_token_budget
 

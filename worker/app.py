@@ -413,6 +413,9 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
             state.engine = engine_class(settings)
         if getattr(state.engine, "plan", None) is not None and not settings.frontend:
             metrics.report_plan(state.engine.plan)
+        from .runner import warm_grammar_check
+
+        warm_grammar_check(state.engine, settings)
     except (ConfigError, FileNotFoundError) as exc:  # the operator's to fix: a line, no trace
         log.error("invalid worker settings: %s; exiting %d", exc, RET_CONFIG)
         os._exit(RET_CONFIG)

@@ -457,6 +457,13 @@ def _grammar_checked(engine: Any, settings: Settings) -> bool:
     return settings.structured_outputs_backend == "guidance" and hasattr(engine, "tokenizer")
 
 
+def warm_grammar_check(engine: Any, settings: Settings) -> None:
+    """At worker start: the schema check's tokenizer, built before the first JSON job needs it
+    (``GrammarCheck.warm``)."""
+    if _grammar_checked(engine, settings):
+        _grammar_check(engine, settings).warm()
+
+
 def _grammar_check(engine: Any, settings: Settings) -> GrammarCheck:
     """One per worker, on the engine's tokenizer (the first extract job builds it)."""
     global _grammar
