@@ -24,7 +24,10 @@ every token generated, first runs included. The script exits 1 when a vqueue row
 tokens differ by more than 1% from either raw row of its round.
 
 Each round draws its own texts (same shapes and sizes; both sides of a round get the same jobs),
-so that no round finds the last one's prompts in a prefix cache.
+so that no round finds the last one's prompts in a prefix cache. Round 0 is not measured: every
+workload at ``--warm-scale`` of its size on every system, so that whichever system runs first in
+round 1 does not meet a workload's shapes alone (a 48-job warm-up left vqueue's first runs the
+slowest of a call more often than not).
 
 Per round, ``ratio_vs_raw`` is vqueue's jobs/s over the better raw row of that workload and round;
 the summary gives medians over the rounds. Results go to ``--out`` after every round (suite.json,
@@ -220,6 +223,7 @@ def build(
     names: list[str],
     scale_of: dict[str, float] | None = None,
     seed: int = 0,
+    small: bool | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """The workloads' jobs: at ``scale`` (1.0: mixed 1,000, prefix 800, long 200, long32k 40,
     json 500), or a workload's own scale in ``scale_of``; texts from ``t`` drawn with ``seed``.
@@ -227,7 +231,8 @@ def build(
     in between finds its prompts in the engines' prefix cache from the second round on (40
     documents of 32K tokens fit in a 24 GiB cache), and times something else."""
     t.rng.seed(seed)
-    small = scale < 0.1  # a CPU check: short documents, or it takes hours
+    if small is None:  # a CPU check: short documents, or it takes hours
+        small = scale < 0.1
     scale_of = scale_of or {}
 
     def maker(name: str) -> list[dict[str, Any]]:
@@ -249,11 +254,6 @@ def build(
         raise SystemExit(f"unknown workload {name!r}")
 
     return {k: maker(k) for k in names}
-
-
-def warmup(scale: float) -> list[dict[str, Any]]:
-    """A few jobs of each type first: CUDA graphs, grammar compilation, allocator warm."""
-    return wl.mixed(wl.TextMaker(lambda s: len(s) // 4, seed=9), max(3, round(48 * min(1, scale))))
 
 
 def settings_for(a: argparse.Namespace) -> Settings:
@@ -359,7 +359,7 @@ class RawEngines:
         return out
 
     def run(self, system: str, name: str, rnd: int) -> dict[str, Any]:
-        jobs = warmup(self.a.scale) if name == "warmup" else self.loads[rnd][name]
+        jobs = self.loads[rnd][name]
         prep = self.prepared(jobs)
         if system == "raw LLM.chat":
             return self._offline(name, rnd, prep)
@@ -790,6 +790,12 @@ def main() -> None:
         "(benchmarks/sampler.py: profile/ and profile.md under --out)",
     )
     ap.add_argument(
+        "--warm-scale",
+        type=float,
+        default=0.1,
+        help="round 0, not measured: every workload at this fraction of its size, every system",
+    )
+    ap.add_argument(
         "--pause-s",
         type=float,
         default=0.0,
@@ -812,6 +818,10 @@ def main() -> None:
     texts = wl.TextMaker.of_model(a.model)
     last = a.rounds + a.profile  # the profiled round is one more, on prompts of its own
     loads = {r: build(texts, a.scale, a.workloads, scale_of, r) for r in range(1, last + 1)}
+    # round 0, not measured: every workload at a tenth of its size on every system, so that no
+    # system meets a workload's shapes (CUDA graphs, grammars, long prompts) first in round 1
+    warm_of = {k: v * a.warm_scale for k, v in scale_of.items()}
+    loads[0] = build(texts, a.scale * a.warm_scale, a.workloads, warm_of, 0, a.scale < 0.1)
     prof = out / "profile"
     if a.profile:  # every process started from here on samples itself while prof/on exists
         from . import sampler
@@ -852,8 +862,9 @@ def main() -> None:
 
         meta["vllm"] = vllm.__version__
         systems = [s for s in SYSTEMS if s in a.systems]
-        for s in systems:  # CUDA graphs, grammars, allocators: warm on every system
-            _ = vq.run("warmup", warmup(a.scale), 0) if s == "vqueue" else raw.run(s, "warmup", 0)
+        for name, jobs in loads[0].items():  # round 0: every workload warm on every system
+            for s in systems:
+                _ = vq.run(name, jobs, 0) if s == "vqueue" else raw.run(s, name, 0)
         round_s = 0.0
         for rnd in range(1, last + 1):
             if a.budget_s and time.perf_counter() - began + round_s > a.budget_s:
