@@ -465,7 +465,7 @@ def warm_grammar_check(engine: Any, settings: Settings) -> None:
 
 
 def _grammar_check(engine: Any, settings: Settings) -> GrammarCheck:
-    """One per worker, on the engine's tokenizer (the first extract job builds it)."""
+    """One per worker process, on the engine's tokenizer (built as the process starts)."""
     global _grammar
     if _grammar is None:
         _grammar = GrammarCheck(
