@@ -198,13 +198,16 @@ def phases(stamps: list[Stamps], t0: float) -> dict[str, Any]:
     out: dict[str, Any] = {k: pct(span(a, b), 50) for k, (a, b) in PHASES.items()}
     out["first_submitted_s"] = min(subs) - t0 if subs else None
     out["last_submitted_s"] = max(subs) - t0 if subs else None
-    for key, field in (("last_started_s", "started"), ("last_sent_s", "sent")):
+    latest = (
+        ("last_started_s", "started"),
+        ("last_sent_s", "sent"),
+        ("first_runs_done_s", "previous"),
+    )
+    for key, field in latest:
         xs = [getattr(x, field) for x in stamps if getattr(x, field)]
         out[key] = max(xs) - t0 if xs else None
     out["last_result_s"] = max((x.finished or t0) for x in stamps) - t0
     gaps = span("previous", "sent")
-    prev = [x.previous for x in stamps if x.previous]
-    out["first_runs_done_s"] = max(prev) - t0 if prev else None
     out["rerun_gap_p50_s"] = pct(gaps, 50)
     out["rerun_gap_max_s"] = max(gaps) if gaps else None
     return out
@@ -787,7 +790,7 @@ def main() -> None:
         "--profile",
         action="store_true",
         help="one more round, not measured, with every process sampling its stacks "
-        "(benchmarks/sampler.py: profile/ and profile.md under --out)",
+        "(benchmarks/sampler.py: profile/ and profile-<workload>-<system>.md under --out)",
     )
     ap.add_argument(
         "--warm-scale",
@@ -818,7 +821,7 @@ def main() -> None:
     texts = wl.TextMaker.of_model(a.model)
     last = a.rounds + a.profile  # the profiled round is one more, on prompts of its own
     loads = {r: build(texts, a.scale, a.workloads, scale_of, r) for r in range(1, last + 1)}
-    # round 0, not measured: every workload at a tenth of its size on every system, so that no
+    # round 0, not measured: every workload at --warm-scale of its size on every system, so no
     # system meets a workload's shapes (CUDA graphs, grammars, long prompts) first in round 1
     warm_of = {k: v * a.warm_scale for k, v in scale_of.items()}
     loads[0] = build(texts, a.scale * a.warm_scale, a.workloads, warm_of, 0, a.scale < 0.1)

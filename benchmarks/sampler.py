@@ -106,7 +106,7 @@ def _run() -> None:
             stack = []
             f: FrameType | None = frame
             while f is not None:
-                stack.append(f"{f.f_code.co_name} ({Path(f.f_code.co_filename).name})")
+                stack.append(f"{f.f_code.co_name} ({os.path.basename(f.f_code.co_filename)})")
                 f = f.f_back
             thread = re.sub(r"[-_ ]\d+\b", "", names.get(tid, "?"))  # one row per kind
             seconds[f"{thread};" + ";".join(reversed(stack))] += spent
