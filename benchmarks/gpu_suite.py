@@ -750,10 +750,34 @@ def write(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[
     return text, problems
 
 
+def merge(paths: list[Path], out: Path) -> None:
+    """One file from several device calls, each of which ran some of the workloads (a call's
+    600 s do not hold every workload at full size): rows as they were, meta per call. A
+    workload found in two calls is refused, since its rounds would no longer be paired."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    seen: dict[str, Path] = {}
+    for p, d in zip(paths, docs, strict=True):
+        for w in dict.fromkeys(r["workload"] for r in d["rows"]):
+            if w in seen:
+                raise SystemExit(f"{w} is in both {seen[w]} and {p}")
+            seen[w] = p
+    meta = {
+        "date": max(d["meta"]["date"] for d in docs),
+        "merged_from": [str(p) for p in paths],
+        "calls": [d["meta"] for d in docs],
+        "workloads": {k: v for d in docs for k, v in d["meta"]["workloads"].items()},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    text, problems = write(out, meta, [r for d in docs for r in d["rows"]])
+    print(text)
+    for p in problems:
+        print(f"NOT EQUAL WORK: {p}", file=sys.stderr)
+
+
 # --------------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model")
     ap.add_argument("--out", required=True)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply job counts")
     ap.add_argument(
@@ -804,8 +828,19 @@ def main() -> None:
         default=0.0,
         help="idle seconds before every run, so that none starts in the last one's wake",
     )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="SUITE_JSON",
+        help="no run: one suite.json/suite.md under --out from the rows of several calls' "
+        "suite.json (each workload's rounds from one call: say which in the calls' meta)",
+    )
     ap.add_argument("--serve-raw", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.merge:
+        return merge([Path(x) for x in a.merge], Path(a.out))
+    if not a.model:
+        ap.error("--model is required")
     a.workloads = a.workloads.split(",")
     a.systems = [x.strip() for x in a.systems.split(",")]
     if unknown := set(a.systems) - set(SYSTEMS):

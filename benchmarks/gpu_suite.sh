@@ -5,6 +5,8 @@
 #     bash benchmarks/gpu_suite.sh 7b      # Qwen2.5-7B shape (dummy weights): mixed, long
 # Results under $OUT (suite-*/suite.json, suite.md, the logs).
 # SCALE multiplies every workload's job count, SCALE_OF one's (prefix=2,long32k=1).
+# WORKLOADS runs some of them (one call's 600 s do not hold all five at full size; merge the
+# calls' suite.json with `python -m benchmarks.gpu_suite --merge A B --out DIR`).
 # SYSTEMS picks a subset (LLM.chat, the slower raw path on every workload, costs a minute of
 # engine start and a third of each round): SYSTEMS="raw AsyncLLM,vqueue".
 set -u
@@ -17,7 +19,7 @@ case "$1" in
 small)
   python3 -m benchmarks.gpu_suite --model /tmp/models/qwen05 --out "$OUT/suite-05b" \
     --rounds 3 --scale "${SCALE:-0.6}" --scale-of "${SCALE_OF:-}" --budget-s "${BUDGET:-470}" \
-    --systems "$SYSTEMS" ;;
+    --systems "$SYSTEMS" --workloads "${WORKLOADS:-mixed,prefix,long,long32k,json}" ;;
 7b)
   python3 -m benchmarks.shapes qwen2.5-7b /tmp/models/qwen7b --tokenizer /tmp/models/qwen25-tokenizer
   python3 -m benchmarks.gpu_suite --model /tmp/models/qwen7b --load-format dummy \
