@@ -183,10 +183,10 @@ def test_another_tenant_gets_404_and_a_bad_key_401(api: Api, tmp_path: Path) -> 
     assert line["response"]["body"]["type"] == "summarize" and line["response"]["body"]["text"]
 
 
-def _slow(n: int) -> list[dict[str, Any]]:
+def _slow(n: int, tokens: int = 40) -> list[dict[str, Any]]:
     return [{"id": f"s{i}", "type": "summarize", "text": f"Report {i}: sales rose in every "
-             "region this quarter.", "max_tokens": 40, "min_tokens": 40, "ignore_eos": True}
-            for i in range(n)]  # fmt: skip
+             "region this quarter.", "max_tokens": tokens, "min_tokens": tokens,
+             "ignore_eos": True} for i in range(n)]  # fmt: skip
 
 
 def test_cancel_mid_run_keeps_what_finished(api: Api, tmp_path: Path) -> None:
@@ -230,8 +230,10 @@ def test_a_short_completion_window_expires_the_batch_with_partial_output(
 
 
 def test_vqueue_cancel_withdraws_a_batch_submitted_by_the_client(client: Any) -> None:
-    # Given a batch submitted with the Python client, more than the worker runs at once
-    batch = client.submit_many(_slow(40))
+    # Given a batch submitted with the Python client, more than the worker runs at once, each
+    # job long enough that the batch cannot finish while the command line starts (at 40 tokens
+    # a job it once did, on CI's two cores)
+    batch = client.submit_many(_slow(40, tokens=300))
     wait_for(lambda: batch.status().done >= 1, 600, "a first result")
     # When it is cancelled from the command line
     done = run_cli("cancel", batch.id)
