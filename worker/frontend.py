@@ -98,6 +98,9 @@ class Output:
     aborted: bool = False  # the logprob rule stopped it (the path without the monitor)
     reading: Reading | None = None  # the rule's numbers, on that path
     finished_at: float | None = None  # wall clock: the final output reached the frontend
+    # the output's token ids, for a request sent with ``detokenize=False`` (its ``text`` is
+    # empty: the worker's process decodes them, ``PromptTokenizer.output_text``)
+    token_ids: list[int] | None = None
 
 
 # ------------------------------------------------------------------------- the worker's end
@@ -685,6 +688,7 @@ class Frontend:
             aborted=aborted,
             reading=reading,
             finished_at=time.time(),
+            token_ids=None if params.detokenize else list(choice.token_ids),
         )
 
 

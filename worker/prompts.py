@@ -247,6 +247,50 @@ class Encoder:
                 self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=literal)
             )
 
+    @property
+    def decodes_outputs(self) -> bool:
+        """Whether ``output_text`` can stand in for vLLM's own detokenizing: a Rust tokenizer,
+        and a ``tokenizers`` whose ``DecodeStream`` takes the prompt (0.22 and later)."""
+        if self._ways.get(False) is None:
+            return False
+        try:
+            from tokenizers.decoders import DecodeStream
+
+            DecodeStream(ids=[], skip_special_tokens=True)
+        except (ImportError, TypeError):
+            return False
+        return True
+
+    def output_text(self, prompt_ids: Sequence[int], ids: Sequence[int], stopped: bool) -> str:
+        """The text vLLM's frontend would have made of a request's output ``ids``, made here
+        instead (``EngineHost`` sends requests with ``detokenize=False``): a ``DecodeStream``
+        primed with the prompt, stepped token by token, special tokens skipped, and the token
+        that ended a ``stopped`` request (EOS, a stop token id) left out. That is vLLM's
+        ``FastIncrementalDetokenizer`` with the defaults (``skip_special_tokens``), the same in
+        0.26 and 0.32: the prompt gives the first token its context (a SentencePiece
+        tokenizer's leading space), and a character split over tokens comes out whole."""
+        from tokenizers.decoders import DecodeStream
+
+        way = self._ways[False]
+        if stopped and ids:
+            ids = ids[:-1]
+        stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=True)
+        parts = []
+        for t in ids:
+            try:
+                piece = stream.step(way, t)
+            except (OverflowError, TypeError):  # an id outside the vocabulary: vLLM drops it
+                piece = None
+            except Exception as exc:
+                if not str(exc).startswith("Invalid prefix encountered"):
+                    raise
+                # non-monotonic UTF-8 breaks the stream's state; vLLM starts a fresh one
+                stream = DecodeStream(skip_special_tokens=True)
+                piece = stream.step(way, t)
+            if piece:
+                parts.append(piece)
+        return "".join(parts)
+
 
 def render(
     tokenizer: Any,
@@ -383,3 +427,10 @@ class PromptTokenizer:
     def decode(self, ids: list[int], priority: int = 0) -> str:
         with self._gate(priority):
             return str(self.tokenizer.decode(ids))
+
+    @property
+    def decodes_outputs(self) -> bool:
+        return self.encoder.decodes_outputs
+
+    def output_text(self, prompt_ids: Sequence[int], ids: Sequence[int], stopped: bool) -> str:
+        return self.encoder.output_text(prompt_ids, ids, stopped)
