@@ -23,6 +23,7 @@ import gc
 import json
 import random
 import resource
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -76,15 +77,17 @@ async def _main(a: argparse.Namespace) -> dict[str, Any]:
             rng = random.Random(rnd)
             prompts = [rng.sample(base, len(base)) for _ in range(a.jobs)]
             outs: dict[bool, list[Any]] = {}
+            made: list[str] = []
             for detok in (True, False) if rnd % 2 else (False, True):
                 cpu, wall, outs[detok] = await _run(engine, prompts, a.max_tokens, detok,
                                                     f"{rnd}{detok}")  # fmt: skip
                 decode_s = 0.0
                 if not detok:  # what the worker then does for each request
                     t = time.perf_counter()
-                    for i, o in enumerate(outs[detok]):
-                        c = o.outputs[0]
+                    made = [
                         tok.output_text(prompts[i], list(c.token_ids), c.finish_reason == "stop")
+                        for i, c in enumerate(o.outputs[0] for o in outs[detok])
+                    ]
                     decode_s = time.perf_counter() - t
                 if rnd:
                     rows.append({"round": rnd, "detokenize": detok, "jobs": a.jobs,
@@ -92,13 +95,11 @@ async def _main(a: argparse.Namespace) -> dict[str, Any]:
                                  "frontend_cpu_ms_per_job": 1000 * cpu / a.jobs,
                                  "worker_decode_ms_per_job": None if detok
                                  else 1000 * decode_s / a.jobs})  # fmt: skip
-            for i, (on, off) in enumerate(zip(outs[True], outs[False], strict=True)):
-                ids = list(off.outputs[0].token_ids)
-                if ids != list(on.outputs[0].token_ids):
+            for on, off, text in zip(outs[True], outs[False], made, strict=True):
+                if list(off.outputs[0].token_ids) != list(on.outputs[0].token_ids):
                     continue  # greedy on a CPU can still differ by batch: nothing to compare
-                stopped = off.outputs[0].finish_reason == "stop"
                 compared += 1
-                mismatched += tok.output_text(prompts[i], ids, stopped) != on.outputs[0].text
+                mismatched += text != on.outputs[0].text
     finally:
         engine.shutdown()
     return {"rows": rows, "texts_compared": compared, "texts_mismatched": mismatched}
@@ -117,10 +118,7 @@ def main() -> None:
     res = _run_all(a)
     by = {d: [r for r in res["rows"] if r["detokenize"] is d] for d in (True, False)}
 
-    def med(xs: list[float]) -> float:
-        xs = sorted(xs)
-        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
+    med = statistics.median
     on = med([r["frontend_cpu_ms_per_job"] for r in by[True]])
     off = med([r["frontend_cpu_ms_per_job"] for r in by[False]])
     dec = med([r["worker_decode_ms_per_job"] for r in by[False]])

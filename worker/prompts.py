@@ -261,7 +261,7 @@ class Encoder:
             return False
         return True
 
-    def output_text(self, prompt_ids: Sequence[int], ids: Sequence[int], stopped: bool) -> str:
+    def output_text(self, prompt_ids: list[int], ids: Sequence[int], stopped: bool) -> str:
         """The text vLLM's frontend would have made of a request's output ``ids``, made here
         instead (``EngineHost`` sends requests with ``detokenize=False``): a ``DecodeStream``
         primed with the prompt, stepped token by token, special tokens skipped, and the token
@@ -274,7 +274,7 @@ class Encoder:
         way = self._ways[False]
         if stopped and ids:
             ids = ids[:-1]
-        stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=True)
+        stream = DecodeStream(ids=prompt_ids, skip_special_tokens=True)
         parts = []
         for t in ids:
             try:
@@ -432,5 +432,5 @@ class PromptTokenizer:
     def decodes_outputs(self) -> bool:
         return self.encoder.decodes_outputs
 
-    def output_text(self, prompt_ids: Sequence[int], ids: Sequence[int], stopped: bool) -> str:
+    def output_text(self, prompt_ids: list[int], ids: Sequence[int], stopped: bool) -> str:
         return self.encoder.output_text(prompt_ids, ids, stopped)
