@@ -121,7 +121,9 @@ POOL_CONNECTIONS = 64  # per process; threads beyond it queue for a connection
 TEMPLATE_CHECK_S = 5.0  # for a template's examples against its schema, at registration
 _STORED = {"stored": True}  # validation context: checked when it was added
 _CHECK_EXAMPLES = """
-import json, sys
+import json, resource, sys
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 from schemas.templates import Template, examples_problem
 print(json.dumps(examples_problem(Template.model_validate_json(sys.stdin.read(),
                                                                context={"stored": True}))))
@@ -129,9 +131,12 @@ print(json.dumps(examples_problem(Template.model_validate_json(sys.stdin.read(),
 
 
 def _examples_problem_bounded(template: Template, timeout_s: float) -> str | None:
+    from schemas import get_settings
+
+    memory = get_settings().schema_check_memory_mb << 20
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _CHECK_EXAMPLES],
+            [sys.executable, "-c", _CHECK_EXAMPLES, str(memory)],
             input=template.model_dump_json(),
             capture_output=True,
             text=True,
@@ -143,6 +148,8 @@ def _examples_problem_bounded(template: Template, timeout_s: float) -> str | Non
             "that backtracks, like ^(a+)+$?); simplify the schema's patterns"
         )
     if proc.returncode != 0:
+        if "MemoryError" in proc.stderr:
+            return f"checking the examples against json_schema needed more than {memory >> 20} MiB"
         raise RuntimeError(f"the template check failed: {proc.stderr.strip()[-500:]}")
     problem: str | None = json.loads(proc.stdout)
     return problem

@@ -7,7 +7,6 @@ the model's context) is reported per job as a failed ``JobResult``.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import hashlib
 import json
@@ -29,12 +28,13 @@ BATCH_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 MAX_METADATA_CHARS = 16_384  # echoed on every result: the caller's bookkeeping, not a payload
 MAX_METADATA_DEPTH = 16
 MAX_STOP_CHARS = 256  # per stop string; up to 16 of them
-# Counts a schema may demand: more items (or characters) than any answer has tokens can never
-# be generated, and llguidance's grammar check is linear in them (minItems 1e8: 22 s at submit).
+# Counts a schema may name: a minimum above any answer's length can never be generated, and
+# llguidance's grammar grows with every count, maximums included (maxItems unrolls into rules).
 MAX_SCHEMA_COUNT = MAX_OUTPUT_TOKENS
-_SCHEMA_COUNTS = ("minItems", "minLength", "minProperties", "minContains")
-# Wall-clock bound on the grammar check at submit (llguidance releases the GIL meanwhile).
-SCHEMA_CHECK_TIMEOUT_S = 5.0
+_SCHEMA_COUNTS = (
+    *("minItems", "minLength", "minProperties", "minContains"),
+    *("maxItems", "maxLength", "maxProperties", "maxContains"),
+)
 
 
 def new_job_id() -> str:
@@ -137,21 +137,32 @@ class _JobBase(BaseModel):
         return v
 
 
-def _check_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """Reject schemas that are invalid or too large/deep to compile, naming the problem."""
+def _check_json_schema(schema: dict[str, Any], grammar: bool = True) -> dict[str, Any]:
+    """Reject schemas that are invalid, too large or deep, or that guided decoding cannot
+    enforce (``grammar``), naming the problem."""
     text = json.dumps(schema, sort_keys=True)
     if len(text) > MAX_SCHEMA_CHARS:
         raise ValueError(f"json_schema is {len(text)} characters; the limit is {MAX_SCHEMA_CHARS}")
     problem = _schema_problem(text)
+    if problem is None and grammar and GRAMMAR_CHECK:
+        from . import grammar_check
+
+        problem = grammar_check.problem(text)
     if problem:
         raise ValueError(problem)
     return schema
 
 
+# Whether validating a job asks llguidance if guided decoding can enforce its schema
+# (``schemas/grammar_check.py``). Producers do, before anything reaches Redis; a worker turns
+# it off: it compiles every schema itself and fails what does not compile (worker/structured.py).
+GRAMMAR_CHECK = True
+
+
 @functools.lru_cache(maxsize=4096)
 def _schema_problem(text: str) -> str | None:
-    """The check itself, cached by schema text: a batch reuses a few schemas thousands of times,
-    and the meta-schema check costs about a millisecond each (producer and worker both run it)."""
+    """What is wrong with a schema on its face, cached by schema text: a batch reuses a few
+    schemas thousands of times, and the meta-schema check costs about a millisecond each."""
     schema = json.loads(text)
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
@@ -160,15 +171,15 @@ def _schema_problem(text: str) -> str | None:
     if count is not None:
         word, value = count
         return (
-            f"json_schema asks for {word}={value}; more than {MAX_SCHEMA_COUNT} can never be "
-            "generated within max_tokens"
+            f"json_schema asks for {word}={value}; counts in a schema are limited to "
+            f"{MAX_SCHEMA_COUNT}, the most tokens an answer can have"
         )
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
         return f"json_schema is not a valid JSON Schema at {where}: {exc.message}"
-    return _grammar_problem(text)
+    return None
 
 
 def _largest_count(node: Any, level: int = 0) -> tuple[str, str] | None:
@@ -190,42 +201,6 @@ def _largest_count(node: Any, level: int = 0) -> tuple[str, str] | None:
         if found:
             return found
     return None
-
-
-def _grammar_problem(text: str) -> str | None:
-    """What guided decoding (llguidance, the workers' default backend) cannot enforce: keywords
-    it does not implement (``not``, ``if``/``then``, ``uniqueItems``, ...), unknown string
-    formats, look-around in patterns, remote ``$ref``. Refused here rather than failing, or
-    worse, silently unenforced, in the worker. The check runs on a thread and is given
-    ``SCHEMA_CHECK_TIMEOUT_S``: a schema that takes longer is refused (the thread, which holds
-    no lock, finishes on its own)."""
-    try:
-        import llguidance
-    except ImportError:  # a producer-only install: the worker checks again
-        return None
-
-    def check() -> str:
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                text, defaults={"whitespace_flexible": False}
-            )
-            return str(llguidance.LLMatcher.validate_grammar(grammar, None))
-        except Exception as exc:  # noqa: BLE001  # llguidance's own parse errors
-            return str(exc)
-
-    future = _CHECKS.submit(check)
-    try:
-        error = future.result(timeout=SCHEMA_CHECK_TIMEOUT_S)
-    except concurrent.futures.TimeoutError:
-        return f"json_schema's grammar did not compile within {SCHEMA_CHECK_TIMEOUT_S:g}s"
-    if not error:
-        return None
-    first = str(error).strip().splitlines()
-    return f"json_schema cannot be enforced by guided decoding: {' '.join(first)[:300]}"
-
-
-# a few threads: a stuck check keeps one until it ends; the next schemas take the others
-_CHECKS = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="schema-check")
 
 
 def _depth(node: Any, level: int = 0) -> int:

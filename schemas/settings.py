@@ -218,6 +218,13 @@ class Settings(BaseSettings):
     route_spill_depth: int = Field(default=0, ge=0)
     # what a producer does at a limit: wait (with a message on stderr) or refuse (exit 7)
     on_limit: Literal["wait", "refuse"] = "wait"
+    # whether guided decoding can enforce a job's JSON Schema is asked of llguidance in child
+    # processes (schemas/grammar_check.py): this many at once per producer process, one tenant
+    # holding at most half of them; each killed past the time limit, and aborted past the
+    # memory limit (its address space). Either refuses the schema.
+    schema_check_processes: int = Field(default=4, ge=1, le=64)
+    schema_check_timeout_s: float = Field(default=5.0, gt=0)
+    schema_check_memory_mb: int = Field(default=1024, ge=64)
 
     # -- waiting for results (`--wait`, Batch.results): give up, saying why (exit 8), when no
     # live worker has consumed the batch's queue for this long, or the batch has had no new

@@ -23,9 +23,12 @@ from celery import Celery, signals
 from producer.cli import RET_CONFIG, RET_ENGINE
 from producer.publish import PRIORITY_SEP, PRIORITY_STEPS, task_name
 from producer.routing import move_all, rescue_orphans, urgent_queue, worker_queue
-from schemas import JOB_TYPES, Settings, get_settings
+from schemas import JOB_TYPES, Settings, get_settings, jobs
 
 log = logging.getLogger(__name__)
+# Producers asked llguidance about every schema before it was queued; here the engine host
+# compiles each one itself and fails its jobs when it cannot (worker/structured.py).
+jobs.GRAMMAR_CHECK = False
 
 # Named exit codes (dramatiq's habit), from the CLI's one table: a supervisor can tell a broken
 # engine or configuration from a clean stop.
