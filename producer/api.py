@@ -241,7 +241,11 @@ class Batches:
     def submit(self, tenant: str, bid: str) -> None:
         """Check every line of the input file, then enqueue them all, or fail the batch; it
         runs off the request, so whatever goes wrong ends the batch ``failed``, saying why,
-        never leaves it ``validating``."""
+        never leaves it ``validating``. Its schemas are checked as this tenant's, so they never
+        take every schema check from the others (``schemas.grammar_check``)."""
+        from schemas import grammar_check
+
+        as_tenant = grammar_check.tenant.set(tenant)
         try:
             self._submit(tenant, bid)
         except Exception as exc:  # the file gone from disk, Redis away, a bug of ours
@@ -251,6 +255,8 @@ class Batches:
                 tenant, bid, ("in_progress", "cancelling", *FINAL_STATES), status="failed",
                 failed_at=int(time.time()), errors=BatchErrors(data=[error]),
             )  # fmt: skip
+        finally:
+            grammar_check.tenant.reset(as_tenant)
 
     def _submit(self, tenant: str, bid: str) -> None:
         from .client import Client
@@ -304,13 +310,16 @@ class Batches:
             self._update(tenant, bid, status="cancelled", cancelled_at=int(time.time()),
                          request_counts=RequestCounts(total=total))  # fmt: skip
             return
+        from .client import SubmissionStopped
+
         try:
             client.submit_many(envelopes(), batch=bid, source=b.input_file_id)
-        except Exception as exc:  # Redis gone, a limit refused: what was sent still runs
+        except SubmissionStopped as exc:  # Redis full or gone: what was sent still runs, and
+            # the batch ends failed with the reason once it has (``advance``)
+            log.error("batch %s: submission stopped: %s", bid, exc.reason)
+        except Exception as exc:  # a limit refused, a bug of ours: likewise
             log.exception("batch %s: submission stopped", bid)
-            client.store.seal(bid)
-            errors = [BatchError(code="submission_failed", message=f"{type(exc).__name__}: {exc}")]
-            self._update(tenant, bid, errors=BatchErrors(data=errors))
+            client.store.stop_submission(bid, f"{type(exc).__name__}: {exc}")
 
     def _update(
         self, tenant: str, bid: str, unless: tuple[str, ...] = FINAL_STATES, **changes: Any
@@ -359,9 +368,14 @@ class Batches:
                 return b
             self._update(tenant, bid, status="finalizing", finalizing_at=now, **changes)
             out, err = self._write_outputs(tenant, b)
-            # how it ended is what was withdrawn, if anything: the first of cancel and expiry
+            # how it ended is what was withdrawn, if anything: the first of cancel and expiry;
+            # else failed if submission stopped early (what did run is in the files)
             why = self.store.batches.withdrawn(bid)
             end = {"cancelled": "cancelled", "expired": "expired"}.get(why or "", "completed")
+            if end == "completed" and st.error:
+                end = "failed"
+                stopped = BatchError(code="submission_failed", message=st.error)
+                changes["errors"] = BatchErrors(data=[stopped])
             done = int(time.time())
             changes.update(output_file_id=out, error_file_id=err, status=end)
             changes[f"{end}_at"] = done
@@ -492,8 +506,11 @@ def create_app(settings: Settings | None = None) -> Any:
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
+        """Ready when Redis takes a write: a full Redis answers PING but refuses every batch."""
         try:
-            store.r.ping()
+            store.r.set(f"{store.p}:healthz", str(time.time()), ex=60)
+        except redis.exceptions.OutOfMemoryError:
+            raise fail(503, "redis is full (maxmemory): it refuses writes") from None
         except Exception as exc:
             raise fail(503, f"redis: {type(exc).__name__}") from None
         return {"status": "ok", "workers": len(store.batches.workers())}

@@ -39,7 +39,7 @@ from schemas import (
 )
 
 RET_OK, RET_FAILURE, RET_USAGE, RET_INPUT, RET_CONNECT, RET_NOT_FOUND, RET_TIMEOUT = range(7)
-RET_REFUSED, RET_STALLED, RET_ENGINE, RET_CONFIG = 7, 8, 9, 10
+RET_REFUSED, RET_STALLED, RET_ENGINE, RET_CONFIG, RET_STOPPED = 7, 8, 9, 10, 11
 # Per-line errors echoed to stderr before the rest are only counted (all go to --errors).
 MAX_ECHOED_ERRORS = 20
 
@@ -240,13 +240,19 @@ def submit(
                 good += 1
                 yield env
 
-        from .client import Refused
+        from .client import Refused, SubmissionStopped
 
         try:
             handle = client.submit_many(envelopes(), batch=batch, seal=False, force=force)
         except Refused as exc:
             client.store.seal(batch, rejected=rejected)
             fail(f"{exc}; the jobs before it are enqueued in batch {batch}", RET_REFUSED)
+        except SubmissionStopped as exc:
+            bar.close()
+            with contextlib.suppress(redis.RedisError):  # the lines rejected, counted
+                client.store.stop_submission(batch, exc.reason, rejected)
+            click.echo(batch)  # as on success: a script reads the batch id from stdout
+            fail(str(exc), RET_STOPPED)
         except BaseException:
             # whatever stopped submission (Redis gone, Ctrl-C), the jobs already sent still
             # form a batch that can finish and be read
@@ -391,6 +397,7 @@ def _batch_status(client: Any, batch: str, as_json: bool) -> str:
         f" {st.remaining} remaining, {st.rejected} rejected at submit;"
         f" {rate:.2f} jobs/s, ETA {eta_txt}"
         + (f"; prefix cache {hits:.0%} of prompt tokens" if hits is not None else "")
+        + (f"\nsubmission stopped: {st.error}" if st.error else "")
     )
 
 

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
+import redis
 from pydantic import TypeAdapter
 
 from schemas import BatchStatus, Envelope, Job, JobResult, Settings, get_settings
@@ -56,6 +57,17 @@ class Stalled(VQueueError):
 
 class Refused(VQueueError):
     """Submission refused at a limit (tenant rate, queue depth) under ``on_limit="refuse"``."""
+
+
+class SubmissionStopped(VQueueError):
+    """Redis refused a chunk (full: ``maxmemory``; or gone past the retries). The chunks
+    before it are enqueued and run; the batch is sealed with the reason (``BatchStatus.error``)
+    where Redis still takes that, so it ends once they have. Submitting the same input again
+    with the same batch id sends only what is not enqueued yet."""
+
+    def __init__(self, batch: str, sent: int, reason: str) -> None:
+        super().__init__(f"batch {batch}: {reason}")
+        self.batch, self.sent, self.reason = batch, sent, reason
 
 
 def new_batch_id() -> str:
@@ -269,25 +281,46 @@ class Client:
         # grow from PUBLISH_FIRST to PUBLISH_CHUNK, doubling
         cap = min(PUBLISH_CHUNK, self.settings.max_queue_depth or PUBLISH_CHUNK)
         chunk_jobs = min(PUBLISH_FIRST, cap)
-        for item in jobs:
-            env = self._envelope(item, batch_id)
-            chunk.append(env)
-            size += len(env.wire()) + 1024  # the envelope, and Celery's headers around it
-            if len(chunk) >= chunk_jobs or size >= PUBLISH_CHUNK_BYTES:
+        sent = 0
+        try:
+            for item in jobs:
+                env = self._envelope(item, batch_id)
+                chunk.append(env)
+                size += len(env.wire()) + 1024  # the envelope, and Celery's headers around it
+                if len(chunk) >= chunk_jobs or size >= PUBLISH_CHUNK_BYTES:
+                    skipped += self._publish(chunk, batch_id, force)
+                    sent += len(chunk)
+                    if on_progress:
+                        on_progress(len(chunk))
+                    chunk, size = [], 0
+                    chunk_jobs = min(2 * chunk_jobs, cap)
+            if chunk:
                 skipped += self._publish(chunk, batch_id, force)
+                sent += len(chunk)
                 if on_progress:
                     on_progress(len(chunk))
-                chunk, size = [], 0
-                chunk_jobs = min(2 * chunk_jobs, cap)
-        if chunk:
-            skipped += self._publish(chunk, batch_id, force)
-            if on_progress:
-                on_progress(len(chunk))
+        except redis.RedisError as exc:
+            raise self._stopped(batch_id, sent - skipped, exc) from None
         if seal:
             self.store.seal(batch_id)
         b = Batch(self, batch_id)
         b.skipped = skipped
         return b
+
+    def _stopped(self, batch_id: str, sent: int, exc: redis.RedisError) -> SubmissionStopped:
+        if isinstance(exc, redis.exceptions.OutOfMemoryError):
+            why = "Redis is full (maxmemory) and refused the next jobs"
+        else:
+            why = f"Redis refused the next jobs ({type(exc).__name__}: {exc})"
+        reason = (
+            f"{why}; the {sent} jobs before them are enqueued and run. Once Redis has room, "
+            f"submit the same input again with --batch {batch_id}: only what is missing is sent"
+        )
+        try:
+            self.store.stop_submission(batch_id, reason)
+        except redis.RedisError as again:  # Redis gone: the batch stays open, waiting says so
+            log.warning("batch %s: could not record why submission stopped: %s", batch_id, again)
+        return SubmissionStopped(batch_id, sent, reason)
 
     def seal_batch(self, batch_id: str) -> None:
         self.store.seal(batch_id)
@@ -326,33 +359,46 @@ class Client:
         re-submitted id is counted once. An id enqueued before but not finished is sent again
         (the earlier message may be gone with a crashed producer); the worker runs it once.
         """
+        from .publish import task_message
+
         self._admit(len(envelopes))
         if force:  # a forced re-run: withdraw the results these ids have
             for e in envelopes:
                 self.store.forget(batch_id, e.job.id)
+        # a prefix group's jobs travel together, so an engine takes them in one stretch
+        envelopes = sorted(envelopes, key=lambda e: e.prefix_key or "")
+        if self.broker is self.store.r:  # queues and batches in one Redis: one atomic step
+            routed = self._route(envelopes)
+            jobs = [(e.job.id, *task_message(e, queue)) for queue, group in routed for e in group]
+            flags = self.store.claim_send(batch_id, jobs)
+            return flags.count(-1)
         flags = self.store.claim(batch_id, [e.job.id for e in envelopes])
         todo = [e for e, f in zip(envelopes, flags, strict=True) if f >= 0]
-        # a prefix group's jobs travel together, so an engine takes them in one stretch
-        todo.sort(key=lambda e: e.prefix_key or "")
         self._send(todo)
         return len(envelopes) - len(todo)
 
-    def _send(self, envelopes: list[Envelope]) -> None:
+    def _route(self, envelopes: list[Envelope]) -> list[tuple[str, list[Envelope]]]:
         """Urgent jobs to the urgent queue, which no worker's full share of bulk jobs blocks;
         the rest to the worker their prefix routes them to, or to the shared queue."""
-        from .publish import send_envelopes
         from .routing import urgent_queue
 
         s = self.settings
+        out = []
         urgent = [e for e in envelopes if e.job.priority >= s.urgent_priority]
         if urgent:
-            send_envelopes(self.broker, urgent, urgent_queue(s.queue))
+            out.append((urgent_queue(s.queue), urgent))
             envelopes = [e for e in envelopes if e.job.priority < s.urgent_priority]
         if self.router is None:
-            send_envelopes(self.broker, envelopes, s.queue)
+            out.append((s.queue, envelopes))
         else:
-            for queue, group in self.router.route(envelopes).items():
-                send_envelopes(self.broker, group, queue)
+            out.extend(self.router.route(envelopes).items())
+        return [(queue, group) for queue, group in out if group]
+
+    def _send(self, envelopes: list[Envelope]) -> None:
+        from .publish import send_envelopes
+
+        for queue, group in self._route(envelopes):
+            send_envelopes(self.broker, group, queue)
 
     def _admit(self, n: int) -> None:
         """Wait (or refuse) until the tenant's rate and the queue's depth admit ``n`` more."""

@@ -71,6 +71,36 @@ redis.call('EXPIRE', KEYS[2], ARGV[1])
 return flags
 """
 
+# KEYS: batch hash, done hash, then the queue lists. ARGV: ttl, then per job: its id, the index
+# in KEYS of its list, its message. Claims each id as _CLAIM does and pushes the message of each
+# not yet done, in one step: Redis runs a script whole or, when out of memory (the ``#!lua``
+# line asks for that check up front), not at all, so a chunk is never counted without its
+# messages in the queue.
+_CLAIM_SEND = """#!lua
+local flags, new = {}, 0
+for i = 2, #ARGV, 3 do
+  local id, flag = ARGV[i], -1
+  if redis.call('HSETNX', KEYS[2], id, '') == 1 then
+    new, flag = new + 1, 1
+  elseif redis.call('HGET', KEYS[2], id) == '' then
+    flag = 0
+  end
+  if flag >= 0 then redis.call('LPUSH', KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2]) end
+  flags[#flags + 1] = flag
+end
+if new > 0 then redis.call('HINCRBY', KEYS[1], 'total', new) end
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return flags
+"""
+
+# KEYS: batch hash. ARGV: why submission stopped, lines rejected. Seals the batch with that
+# reason; allowed when Redis is out of memory, since that is when it is needed (a few bytes).
+_STOPPED = """#!lua flags=allow-oom
+redis.call('HSET', KEYS[1], 'error', ARGV[1], 'sealed', 1)
+if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[1], 'rejected', ARGV[2]) end
+return 1
+"""
+
 # KEYS: batch hash, done hash, results stream, attempts hash. ARGV: job id.
 # Undo a job's result so it can run again (dead-letter requeue): 1 if there was one.
 _FORGET = """
@@ -188,6 +218,8 @@ class BatchStore:
         self.ttl_s = ttl_s
         self._record = client.register_script(_RECORD)
         self._claim = client.register_script(_CLAIM)
+        self._claim_send = client.register_script(_CLAIM_SEND)
+        self._stopped = client.register_script(_STOPPED)
         self._forget = client.register_script(_FORGET)
         self._take = client.register_script(_TAKE)
 
@@ -247,6 +279,7 @@ class BatchStore:
         for name, value in fields.items():
             pipe.hsetnx(key, name, value)
         pipe.hset(key, "sealed", 0)
+        pipe.hdel(key, "error")  # submitted again: whatever stopped it before is past
         pipe.expire(key, self.ttl_s)
         return bool(pipe.execute()[0])
 
@@ -255,6 +288,24 @@ class BatchStore:
         1 new, 0 enqueued before and not done yet (send again), -1 already done (skip)."""
         keys = [self.key(batch), self.key(batch, "done")]
         return [int(f) for f in self._claim(keys=keys, args=[self.ttl_s, *job_ids])]
+
+    def claim_send(self, batch: str, jobs: list[tuple[str, str, str]]) -> list[int]:
+        """``claim`` and push in one step, where the queues live in this Redis: each of
+        ``jobs`` is (job id, queue list, message); its message is pushed unless its id is done
+        (flag -1). All or nothing: ``redis.OutOfMemoryError`` means none was claimed or sent."""
+        lists = list(dict.fromkeys(key for _, key, _ in jobs))
+        at = {key: i + 3 for i, key in enumerate(lists)}  # Lua counts KEYS from 1
+        args: list[Any] = [self.ttl_s]
+        for ident, key, message in jobs:
+            args += [ident, at[key], message]
+        keys = [self.key(batch), self.key(batch, "done"), *lists]
+        return [int(f) for f in self._claim_send(keys=keys, args=args)]
+
+    def stop_submission(self, batch: str, reason: str, rejected: int = 0) -> None:
+        """Seal a batch whose submission stopped early, saying why (``BatchStatus.error``):
+        what was enqueued still runs and the batch ends when it has. Works when Redis is out
+        of memory, the usual reason."""
+        self._stopped(keys=[self.key(batch)], args=[reason[:2000], rejected])
 
     def delete(self, batch: str) -> None:
         parts = ("", "done", "results", "attempts")
@@ -307,6 +358,7 @@ class BatchStore:
             updated_at=float(h["updated_at"]) if h.get("updated_at") else None,
             prompt_tokens=int(h.get("prompt_tokens", 0)),
             cached_tokens=int(h.get("cached_tokens", 0)),
+            error=h.get("error") or None,
         )
 
     def is_sealed(self, batch: str) -> bool:

@@ -140,6 +140,9 @@ class BatchStatus(BaseModel):
     updated_at: float | None = None
     prompt_tokens: int = 0  # of finished jobs
     cached_tokens: int = 0  # of those, served from the prefix cache
+    # why submission stopped before the whole input was enqueued (Redis full, say); the jobs
+    # counted in ``total`` were enqueued and run, and the batch ends when they have
+    error: str | None = None
 
     @property
     def prefix_hit_rate(self) -> float | None:

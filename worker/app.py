@@ -53,7 +53,11 @@ def guard_closed_channels() -> None:
     is skipped for the same reason; they stay in kombu's unacked set for that scan.
 
     Also: a job kombu took off its list but could not record as unacknowledged, because Redis
-    went away between the two commands, goes to ``limbo`` instead of nowhere (``Limbo``).
+    went away between the two commands, goes to ``limbo`` instead of nowhere (``Limbo``). And
+    when Redis is full (``maxmemory``, noeviction), ``BRPOP`` still pops (it frees memory) but
+    the unacknowledged record is refused: Celery takes that ``OutOfMemoryError`` for an
+    unrecoverable error and the worker exited, the job lost. The record waits for room
+    instead (``tasks.while_full``), holding the consumer, which can take nothing more anyway.
 
     Installed on the kombu versions in ``KOMBU_VERIFIED`` only; elsewhere the worker logs an
     error and runs without it.
@@ -94,8 +98,10 @@ def guard_closed_channels() -> None:
     stock_append = kombu_redis.QoS.append
 
     def append(self: Any, message: Any, delivery_tag: Any) -> Any:
+        from .tasks import while_full
+
         try:
-            return stock_append(self, message, delivery_tag)
+            return while_full("consume", lambda: stock_append(self, message, delivery_tag))
         except (closed, kombu_redis.redis.exceptions.TimeoutError):
             limbo.keep(self.channel, message)
             raise

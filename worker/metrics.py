@@ -51,6 +51,11 @@ JOBS_DUPLICATE = Counter(
     "Deliveries skipped because the job already had a result (redelivery, re-submit)",
     ["type"],
 )
+REDIS_FULL_WAITS = Counter(
+    "vqueue_redis_full_waits_total",
+    "Writes Redis refused at maxmemory that the worker waited out (start, record, consume)",
+    ["op"],
+)
 QUEUE_WAIT = Histogram(
     "vqueue_queue_wait_seconds", "Enqueue to start of work", ["type"], buckets=_WAIT_BUCKETS
 )

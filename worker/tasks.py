@@ -8,8 +8,10 @@ Every job ends with exactly one result. A task acknowledges its job whatever hap
 task is acked), so nothing may escape it without a result: anything unexpected becomes a failed
 result of type ``internal_error``. Only two things hand a job back instead: a dead engine (the
 worker restarts) and Redis unreachable (nothing could be recorded); both count as a delivery,
-so a job that keeps meeting them is dead-lettered after ``max_deliveries``. A Redis error that
-retrying cannot fix (``WRONGTYPE``, out of memory) fails the job instead of looping.
+so a job that keeps meeting them is dead-lettered after ``max_deliveries``. Redis full
+(``maxmemory`` with ``noeviction``) is waited out where the job is (``while_full``): nothing is
+lost and the worker stays up. A Redis error that retrying cannot fix (``WRONGTYPE``) fails the
+job instead of looping.
 """
 
 from __future__ import annotations
@@ -19,12 +21,19 @@ import os
 import re
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from celery import Task, signals
 from celery.exceptions import Reject
 from pydantic import ValidationError
-from redis.exceptions import BusyLoadingError, ReadOnlyError, RedisError, TryAgainError
+from redis.exceptions import (
+    BusyLoadingError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -38,6 +47,7 @@ from .app import EXIT_ENGINE, app, settings, state
 from .engine import EngineDead
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _store: Any = None
 _lock = threading.Lock()
 _dying = False
@@ -74,6 +84,32 @@ TRANSIENT_REDIS = (
 )
 
 
+FULL_BACKOFF_S = (0.1, 5.0)  # the first wait for room in a full Redis, and the longest
+
+
+def while_full(op: str, call: Callable[[], T]) -> T:
+    """``call()``, waiting while Redis refuses writes at ``maxmemory`` (noeviction): the job
+    stays unacknowledged meanwhile, so a worker stopped while it waits hands it back after the
+    visibility timeout, and its result, if computed, is recorded once room comes. Each refusal
+    counts in ``vqueue_redis_full_waits_total{op}``."""
+    wait, longest = FULL_BACKOFF_S
+    refused = 0
+    while True:
+        try:
+            done = call()
+        except OutOfMemoryError:
+            metrics.REDIS_FULL_WAITS.labels(op).inc()
+            if not refused:
+                log.error("Redis is full (maxmemory): %s waits for room", op)
+            refused += 1
+            time.sleep(wait)
+            wait = min(wait * 2, longest)
+            continue
+        if refused:
+            log.warning("Redis has room again: %s went through after %d refusals", op, refused)
+        return done
+
+
 def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
     with metrics.IN_FLIGHT.track_inprogress():
         try:
@@ -99,7 +135,8 @@ def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
         if _dying:  # the engine is gone and the process about to exit: hand back, uncounted
             time.sleep(0.5)
             raise Reject("the engine died; the job goes back to the queue", requeue=True)
-        done, attempts, withdrawn = store().start(env.batch, env.job.id)
+        started = while_full("start", lambda: store().start(env.batch, env.job.id))
+        done, attempts, withdrawn = started
         if done:
             metrics.duplicate(env.job.type)
             return {"id": env.job.id, "status": "duplicate"}
@@ -112,7 +149,7 @@ def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
             return _dead_letter(env, payload, attempts, worker)
         else:
             result = _generate(task, env, payload, worker)
-    if store().record(result):
+    if while_full("record", lambda: store().record(result)):
         metrics.observe(result)
     else:
         metrics.duplicate(result.type)
@@ -232,7 +269,7 @@ def _dead_letter(
             "'vqueue dlq show'",
         ),
     )
-    store().dead_letter(payload, result, delivered)
+    while_full("record", lambda: store().dead_letter(payload, result, delivered))
     metrics.observe(result)
     return {"id": result.id, "status": "failed", "error": "dead_letter"}
 

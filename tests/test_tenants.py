@@ -1,0 +1,290 @@
+"""A hostile or careless tenant against the service: schemas that would exhaust the process that
+checks them, a tenant that floods the schema checks, and a Redis that fills up (maxmemory,
+noeviction) under a batch.
+
+The schema checks run llguidance for real, in the child processes that bound them. The Redis-full
+tests run real ``vqueue`` commands and a real worker process on the FAKE engine
+(``tests/fake_engine.py``): what is under test is what reaches Redis and what a refused write
+does to the queue, not generation. The HTTP test runs a real ``vqueue serve``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from pydantic import ValidationError
+
+from schemas import ExtractJob
+from schemas.grammar_check import Checker, Limits
+
+from .conftest import WORKDIR, Procs, RedisServer, free_port, run_cli, wait_for, worker_env
+
+# Within every static bound (counts at most 32,768), yet its grammar takes about 170 MB to build.
+HUNGRY = {
+    "anyOf": [
+        {"type": "array", "items": {"type": t}, "maxItems": 32768 - i}
+        for i, t in enumerate(("integer", "string", "boolean", "number"))
+    ]
+}
+PLAIN = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+
+def _slow(i: int) -> dict[str, Any]:
+    """A distinct schema whose check takes about a second (llguidance refuses it for size)."""
+    return {
+        "anyOf": [
+            {"type": "array", "maxItems": 32768, "items": {"type": "integer", "minimum": n}}
+            for n in range(100 * i, 100 * i + 8)
+        ]
+    }
+
+
+# ----------------------------------------------------------------------- the schema checks
+def test_a_schema_asking_for_a_billion_items_is_refused_without_compiling() -> None:
+    # Given the line that took the API server down: maxItems 1e9
+    schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 1_000_000_000}
+    # When it is validated, Then it is refused on its face, naming the keyword and the limit
+    with pytest.raises(ValidationError, match="maxItems=1000000000; counts in a schema are"):
+        ExtractJob(type="extract", text="x", json_schema=schema)
+    for word in ("maxLength", "maxProperties", "maxContains"):
+        with pytest.raises(ValidationError, match=f"{word}=40000"):
+            ExtractJob(type="extract", text="x", json_schema={"type": "string", word: 40000})
+
+
+def test_a_schema_whose_grammar_needs_more_memory_than_allowed_is_refused() -> None:
+    # Given checks limited to 150 MiB each
+    checker = Checker(Limits(memory_bytes=150 << 20))
+    try:
+        # When a schema needing more is checked, Then it is refused for memory, and the asker
+        # (this process) is untouched; the next schema is checked on a fresh child
+        assert checker.problem(json.dumps(HUNGRY)) == (
+            "json_schema's grammar needs more than 150 MiB to compile"
+        )
+        assert checker.problem(json.dumps(PLAIN)) is None
+        # and with room, the same schema compiles: the limit, not the schema, refused it
+        roomy = Checker(Limits())
+        assert roomy.problem(json.dumps(HUNGRY)) is None
+        roomy.close()
+    finally:
+        checker.close()
+
+
+def test_a_check_past_its_time_is_killed_and_not_remembered() -> None:
+    # Given a time limit no check can meet
+    checker = Checker(Limits(timeout_s=1e-4))
+    text = json.dumps(PLAIN)
+    try:
+        # When a schema is checked, Then it is refused for time, and its child is killed
+        assert checker.problem(text) == "json_schema's grammar did not compile within 0.0001s"
+        assert checker._idle == []
+        # and once the limit allows it, the same schema passes: the time-out was not its answer
+        checker.limits = Limits()
+        assert checker.problem(text) is None
+    finally:
+        checker.close()
+
+
+def test_one_tenant_flooding_the_checks_leaves_the_others_a_child() -> None:
+    # Given two children, one tenant holding at most one, and that tenant's six slow schemas
+    checker = Checker(Limits(children=2, per_tenant=1))
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def check(who: str, schema: dict[str, Any]) -> None:
+        checker.problem(json.dumps(schema), who)
+        with lock:
+            finished.append(who)
+
+    flood = [threading.Thread(target=check, args=("a", _slow(i))) for i in range(6)]
+    try:
+        for t in flood:
+            t.start()
+        wait_for(lambda: checker._held.get("a") == 1, 30, "tenant a's first check to start")
+        # When another tenant's plain schema comes, Then it is checked beside the flood, not
+        # after it: it ends before the flood's second check does
+        check("b", PLAIN)
+        with lock:
+            assert finished.index("b") <= 1, finished
+        for t in flood:
+            t.join(120)
+        assert Counter(finished) == {"a": 6, "b": 1}
+    finally:
+        checker.close()
+
+
+# ------------------------------------------------------------------------ Redis at maxmemory
+def _cli(*args: str, url: str, timeout: float = 300) -> subprocess.CompletedProcess[bytes]:
+    return run_cli(*args, queue="full", timeout=timeout, VQUEUE_BROKER_URL=url)
+
+
+def _write_jobs(path: Path, n: int, prefix: str = "j") -> None:
+    text = "A short document about the weather, repeated. " * 4
+    with open(path, "w") as fh:
+        for i in range(n):
+            fh.write(json.dumps({"id": f"{prefix}{i:06d}", "type": "summarize", "text": text}))
+            fh.write("\n")
+
+
+def test_redis_full_loses_no_job_and_stops_no_worker(
+    procs: Procs, tmp_path: Path
+) -> None:
+    # Given a worker (fake engine) and a Redis whose maxmemory holds a few thousand jobs
+    server: RedisServer = procs.redis(tmp_path / "redis", aof=False)
+    r = redis.Redis.from_url(server.url, decode_responses=True)
+    w = procs.fake_worker("full", server.url, delay=0.05, concurrency=32, queue="full")
+    w.wait_ready(r)
+    n = 20_000
+    jobs = tmp_path / "jobs.jsonl"
+    _write_jobs(jobs, n)
+    r.config_set("maxmemory", str(r.info("memory")["used_memory"] + 6 * 1024**2))
+    # When the whole file is submitted
+    sub = _cli("submit", str(jobs), "--quiet", url=server.url)
+    # Then submission stops with one line and exit 11, the batch id on stdout as on success
+    stderr = sub.stderr.decode()
+    assert sub.returncode == 11, stderr
+    assert "Traceback" not in stderr and "Redis is full (maxmemory)" in stderr, stderr
+    batch = sub.stdout.decode().split()[-1]
+    status = json.loads(_cli("status", batch, "--json", url=server.url).stdout)
+    sent = status["total"]
+    assert 0 < sent < n and "Redis is full" in status["error"], status
+    # When Redis stays full while the worker runs the jobs that were sent (its limit below
+    # what it holds), Then the worker waits, both to record the jobs it has run and to take
+    # more, and stays up
+    r.config_set("maxmemory", str(r.info("memory")["used_memory"] - 512 * 1024))
+    wait_for(
+        lambda: _full_waits(w, "record") and _full_waits(w, "consume"),
+        120, "the worker to wait for room to record and to take jobs",
+    )  # fmt: skip
+    assert w.proc.poll() is None
+    # When memory is freed
+    r.config_set("maxmemory", "0")
+    # Then every job that was sent ends with exactly one result, and the worker is still up
+    wait_for(lambda: _done(r, batch) >= sent, 300, "the sent jobs to finish")
+    assert _one_result_each(r, batch) == sent
+    assert w.proc.poll() is None
+    assert "Unrecoverable" not in w.log_path.read_text()
+    # and submitting the same file again into the batch sends only the rest: all n, once each
+    again = _cli("submit", str(jobs), "--batch", batch, "--wait", "--quiet", url=server.url)
+    assert again.returncode == 0, again.stderr.decode()
+    assert _one_result_each(r, batch) == n
+    assert w.proc.poll() is None
+
+
+def _full_waits(w: Any, op: str) -> float:
+    """The worker's ``vqueue_redis_full_waits_total{op}``, from its /metrics."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=5) as f:
+            text = f.read().decode()
+    except OSError:
+        return 0.0
+    prefix = f'vqueue_redis_full_waits_total{{op="{op}"}}'
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(prefix))
+
+
+def _done(r: redis.Redis, batch: str) -> int:
+    from .conftest import KEY_PREFIX
+
+    h = r.hgetall(f"{KEY_PREFIX}:batch:{batch}")
+    return int(h.get("completed", 0)) + int(h.get("failed", 0))
+
+
+def _one_result_each(r: redis.Redis, batch: str) -> int:
+    """The number of jobs with a result; fails if any job has two."""
+    from .conftest import KEY_PREFIX
+
+    ids: Counter[str] = Counter()
+    for _, fields in r.xrange(f"{KEY_PREFIX}:batch:{batch}:results"):
+        ids[fields["id"]] += 1
+    assert not ids or max(ids.values()) == 1, ids.most_common(3)
+    return len(ids)
+
+
+# ------------------------------------------------------------------------- the HTTP server
+def test_hostile_schemas_fail_their_own_batch_and_the_server_lives(
+    procs: Procs, tmp_path: Path
+) -> None:
+    import openai
+
+    # Given a server whose schema checks may take 150 MiB each, a worker (fake engine), two
+    # tenants
+    server: RedisServer = procs.redis(tmp_path / "redis", aof=False)
+    r = redis.Redis.from_url(server.url, decode_responses=True)
+    procs.fake_worker("api", server.url, delay=0.05, concurrency=8, queue="full").wait_ready(r)
+    keys = {t: _cli("keys", "create", t, url=server.url).stdout.decode().strip() for t in "ab"}
+    port = free_port()
+    env = worker_env(
+        "full", VQUEUE_BROKER_URL=server.url, VQUEUE_FILES_DIR=str(tmp_path / "files"),
+        VQUEUE_API_POLL_S="0.2", VQUEUE_SCHEMA_CHECK_MEMORY_MB="150",
+    )  # fmt: skip
+    api = procs.popen(
+        [sys.executable, "-m", "producer.cli", "serve", "--port", str(port)],
+        cwd=WORKDIR, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _healthy(url), 60, "vqueue serve to answer /healthz")
+
+    def batch(tenant: str, lines: list[dict[str, Any]]) -> Any:
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key=keys[tenant], max_retries=0)
+        path = tmp_path / f"{tenant}.jsonl"
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        with open(path, "rb") as fh:
+            f = sdk.files.create(file=fh, purpose="batch")
+        b = sdk.batches.create(
+            input_file_id=f.id, endpoint="/v1/vqueue/jobs", completion_window="24h"
+        )
+        return sdk, b.id
+
+    # When tenant a sends the line that aborted the server, and one whose grammar is too big
+    def extract(i: int, schema: dict[str, Any]) -> dict[str, Any]:
+        return {"id": f"x{i}", "type": "extract", "text": "x", "json_schema": schema}
+
+    billion = {"type": "array", "items": {"type": "integer"}, "maxItems": 1_000_000_000}
+    sdk_a, bad = batch("a", [extract(0, billion), extract(1, HUNGRY)])
+    # and tenant b an ordinary batch
+    ok_lines = [{"id": f"s{i}", "type": "summarize", "text": "hello"} for i in range(20)]
+    ok_lines.append(extract(99, PLAIN))
+    sdk_b, ok = batch("b", ok_lines)
+    # Then a's batch fails, each line saying why in one sentence; b's, its schema accepted, runs
+    # to the end (the fake engine answers no JSON, so its extract line ends failed there)
+    failed = _until(sdk_a, bad, ("failed", "completed"))
+    assert failed.status == "failed", failed
+    messages = {e.line: e.message for e in failed.errors.data}
+    assert "maxItems=1000000000" in messages[1], messages
+    assert "needs more than 150 MiB" in messages[2], messages
+    assert all("Traceback" not in m and len(m) < 400 for m in messages.values())
+    done = _until(sdk_b, ok, ("failed", "completed"))
+    assert done.status == "completed" and done.request_counts.total == 21, done
+    assert done.request_counts.completed == 20, done
+    # and the server is up, its peak memory far from what the schemas asked for
+    assert api.poll() is None and _healthy(url)
+    assert _peak_rss_mb(api.pid) < 1024
+
+
+def _until(sdk: Any, bid: str, states: tuple[str, ...]) -> Any:
+    return wait_for(
+        lambda: (b := sdk.batches.retrieve(bid)).status in states and b, 120, f"{bid} to end"
+    )
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=2) as resp:
+            return bool(json.loads(resp.read())["status"] == "ok")
+    except OSError:
+        return False
+
+
+def _peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
