@@ -4,6 +4,7 @@ ARG EXTRAS=gpu,flower,server
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY schemas schemas
+COPY protocol protocol
 COPY producer producer
 COPY worker worker
 COPY examples examples

@@ -33,9 +33,9 @@ test: setup
 	$(PY) -m pytest
 
 lint: $(STAMP)
-	.venv/bin/ruff check schemas producer worker tests benchmarks
-	.venv/bin/ruff format --check schemas producer worker tests benchmarks
-	.venv/bin/mypy schemas producer worker
+	.venv/bin/ruff check schemas protocol producer worker tests benchmarks
+	.venv/bin/ruff format --check schemas protocol producer worker tests benchmarks
+	.venv/bin/mypy schemas protocol producer worker
 
 clean:
 	rm -rf .venv .pytest_cache

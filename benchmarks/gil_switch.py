@@ -47,7 +47,7 @@ class BusyStubEngine(StubEngine):
 
 def run(url: str, interval_ms: float, n: int) -> dict[str, Any]:
     from producer import Client
-    from producer.store import BatchStore
+    from protocol.store import BatchStore
 
     tag = uuid.uuid4().hex[:8]
     s = Settings(_env_file=None, broker_url=url, queue=f"gil-{tag}", key_prefix=f"gil-{tag}")

@@ -82,7 +82,7 @@ def launch_worker(
     its process, its log file and the seconds it took to start."""
     import redis
 
-    from producer.store import BatchStore
+    from protocol.store import BatchStore
 
     s = Settings(
         _env_file=None, broker_url=redis_url, key_prefix=env.get("VQUEUE_KEY_PREFIX", "vqueue")

@@ -26,7 +26,7 @@ from pathlib import Path
 import redis
 
 from producer import Client
-from producer.publish import queue_keys
+from protocol.wire import queue_keys
 from schemas import Settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,6 +28,7 @@ from typing import Any
 
 import redis
 
+from protocol.store import BatchStore
 from schemas import Envelope, JobResult, Settings, get_settings, output_line
 from schemas.api import (
     FINAL_STATES,
@@ -45,7 +46,6 @@ from schemas.api import (
 from schemas.settings import cache_dir
 
 from .inputs import parse_lines, read_lines
-from .store import BatchStore
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,18 @@ import click
 import redis
 from pydantic import ValidationError
 
+from protocol.exits import (
+    RET_CONFIG,
+    RET_CONNECT,
+    RET_FAILURE,
+    RET_INPUT,
+    RET_NOT_FOUND,
+    RET_REFUSED,
+    RET_STALLED,
+    RET_STOPPED,
+    RET_TIMEOUT,
+    RET_USAGE,
+)
 from schemas import (
     BatchStatus,
     Envelope,
@@ -38,8 +50,6 @@ from schemas import (
     rejected_line,
 )
 
-RET_OK, RET_FAILURE, RET_USAGE, RET_INPUT, RET_CONNECT, RET_NOT_FOUND, RET_TIMEOUT = range(7)
-RET_REFUSED, RET_STALLED, RET_ENGINE, RET_CONFIG, RET_STOPPED = 7, 8, 9, 10, 11
 # Per-line errors echoed to stderr before the rest are only counted (all go to --errors).
 MAX_ECHOED_ERRORS = 20
 
@@ -91,7 +101,7 @@ def describe_settings_error(exc: ValidationError) -> str:
 def _check_batch(batch: str | None) -> None:
     if batch is None:
         return
-    from .store import check_batch_id
+    from protocol.store import check_batch_id
 
     try:
         check_batch_id(batch)
@@ -403,7 +413,7 @@ def _batch_status(client: Any, batch: str, as_json: bool) -> str:
 
 def _fleet_status(client: Any, as_json: bool) -> str:
     """Every live worker (from its heartbeat) and the depth of every queue one consumes."""
-    from .routing import urgent_queue, worker_queue
+    from protocol.routing import urgent_queue, worker_queue
 
     workers = client.store.workers()
     shared = {client.settings.queue, *(w["queue"] for w in workers if w.get("queue"))}

@@ -21,10 +21,9 @@ from typing import Any
 import redis
 from pydantic import TypeAdapter
 
+from protocol.routing import Router
+from protocol.store import BatchStore
 from schemas import BatchStatus, Envelope, Job, JobResult, Settings, get_settings
-
-from .routing import Router
-from .store import BatchStore
 
 log = logging.getLogger("vqueue")
 _job_adapter: TypeAdapter[Any] = TypeAdapter(Job)
@@ -359,7 +358,7 @@ class Client:
         re-submitted id is counted once. An id enqueued before but not finished is sent again
         (the earlier message may be gone with a crashed producer); the worker runs it once.
         """
-        from .publish import task_message
+        from protocol.wire import task_message
 
         self._admit(len(envelopes))
         if force:  # a forced re-run: withdraw the results these ids have
@@ -380,7 +379,7 @@ class Client:
     def _route(self, envelopes: list[Envelope]) -> list[tuple[str, list[Envelope]]]:
         """Urgent jobs to the urgent queue, which no worker's full share of bulk jobs blocks;
         the rest to the worker their prefix routes them to, or to the shared queue."""
-        from .routing import urgent_queue
+        from protocol.routing import urgent_queue
 
         s = self.settings
         out = []
@@ -395,7 +394,7 @@ class Client:
         return [(queue, group) for queue, group in out if group]
 
     def _send(self, envelopes: list[Envelope]) -> None:
-        from .publish import send_envelopes
+        from protocol.wire import send_envelopes
 
         for queue, group in self._route(envelopes):
             send_envelopes(self.broker, group, queue)
@@ -441,14 +440,14 @@ class Client:
 
     def queue_depth(self, queue: str | None = None) -> int:
         """Jobs waiting in one queue (by default the shared one)."""
-        from .publish import queue_depth
+        from protocol.wire import queue_depth
 
         return queue_depth(self.broker, queue or self.settings.queue)
 
     def waiting(self) -> int:
         """Jobs waiting for this client's queue's workers: the shared queue and each live
         worker's own (prefix routing sends most jobs there), which ``max_queue_depth`` bounds."""
-        from .routing import urgent_queue, worker_queue
+        from protocol.routing import urgent_queue, worker_queue
 
         queues = [self.settings.queue, urgent_queue(self.settings.queue)]
         queues += [

@@ -44,7 +44,7 @@ class Template(BaseModel):
         Checked where a template is made, not where a stored one is read back
         (``context={"stored": True}``): a schema's ``pattern`` is matched by Python's ``re``,
         which a pattern like ``^(a+)+$`` can keep busy for minutes. Registering a template
-        runs this check under a time limit (``producer.store.BatchStore.add_template``)."""
+        runs this check under a time limit (``protocol.store.BatchStore.add_template``)."""
         if (info.context or {}).get("stored"):
             return self
         problem = examples_problem(self)

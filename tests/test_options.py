@@ -165,7 +165,7 @@ def test_rate_limit_per_tenant(worker: WorkerProc, redis_client: redis.Redis) ->
 
 def test_the_token_bucket_on_a_fake_clock(redis_client: redis.Redis) -> None:
     # Given a tenant's bucket at 20 jobs/s with a burst of 5, on a clock the test sets
-    from producer.store import BatchStore
+    from protocol.store import BatchStore
 
     store = BatchStore(redis_client, KEY_PREFIX)
     tenant, t = f"clock-{RUN}", 1000.0
@@ -222,7 +222,7 @@ def test_max_queue_depth_refuses_or_waits(redis_client: redis.Redis, tmp_path: P
 def test_max_queue_depth_counts_the_queues_of_routed_workers(redis_client: redis.Redis) -> None:
     # Given a live worker that producers route jobs to (its heartbeat in the registry; the test
     # stands in for it so that nothing consumes its own queue) and a depth limit of 10
-    from producer.store import BatchStore
+    from protocol.store import BatchStore
 
     q = f"vqtest-{RUN}-routed"
     store = BatchStore(redis_client, KEY_PREFIX)

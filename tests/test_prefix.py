@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from producer import Client
-from producer.routing import rank, worker_queue
+from protocol.routing import rank, worker_queue
 from schemas import Envelope
 
 from .conftest import RUN, Procs, WorkerProc, make_settings, wait_for

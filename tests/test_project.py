@@ -52,6 +52,36 @@ def test_producer_imports_no_engine() -> None:
     assert out.stdout.decode().strip() == "[]", out.stderr.decode()
 
 
+def test_producer_and_worker_share_only_protocol_and_schemas() -> None:
+    # The wire both sides speak lives in protocol/; neither side reaches into the other's code,
+    # and the bottom layers import neither side. One known exception: `vqueue worker` (in the
+    # producer's CLI) imports worker.engine to start one.
+    import ast
+
+    from .conftest import ROOT
+
+    allowed = {("producer/cli.py", "worker.engine")}
+    found = []
+    for package, foreign in (
+        ("worker", ("producer",)),
+        ("producer", ("worker",)),
+        ("protocol", ("producer", "worker")),
+        ("schemas", ("producer", "worker", "protocol")),
+    ):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                for name in names:
+                    if name.split(".")[0] in foreign and (rel, name) not in allowed:
+                        found.append((rel, name))
+    assert found == []
+
+
 def test_the_worker_imports_no_vllm_until_it_builds_its_engine() -> None:
     # vLLM's internals are touched from one package (worker/vllm_ext), and only by the engine
     code = (

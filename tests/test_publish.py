@@ -7,7 +7,7 @@ import json
 
 import redis
 
-from producer.publish import queue_key, task_message
+from protocol.wire import queue_key, task_message
 from schemas import Envelope, SummarizeJob
 from worker.app import create_app
 
@@ -98,7 +98,7 @@ def test_a_batch_reaches_the_queue_while_it_is_still_being_submitted(
 ) -> None:
     # Given a producer handed 2,000 jobs one at a time (a big file read as it goes)
     from producer import Client
-    from producer.publish import queue_keys
+    from protocol.wire import queue_keys
 
     queue = f"vqtest-{RUN}-stream"
     client = Client(make_settings(queue))

@@ -262,7 +262,7 @@ def test_a_job_taken_as_redis_goes_away_goes_back_to_its_list(fault_redis: Redis
     # (BRPOP), the way a clean-clone CI run once lost one of 200 jobs on a Redis restart
     from kombu import Connection
 
-    from producer.publish import PRIORITY_SEP, PRIORITY_STEPS
+    from protocol.wire import PRIORITY_SEP, PRIORITY_STEPS
     from worker.app import guard_closed_channels, limbo
 
     guard_closed_channels()

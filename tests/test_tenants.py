@@ -134,9 +134,7 @@ def _write_jobs(path: Path, n: int, prefix: str = "j") -> None:
             fh.write("\n")
 
 
-def test_redis_full_loses_no_job_and_stops_no_worker(
-    procs: Procs, tmp_path: Path
-) -> None:
+def test_redis_full_loses_no_job_and_stops_no_worker(procs: Procs, tmp_path: Path) -> None:
     # Given a worker (fake engine) and a Redis whose maxmemory holds a few thousand jobs
     server: RedisServer = procs.redis(tmp_path / "redis", aof=False)
     r = redis.Redis.from_url(server.url, decode_responses=True)

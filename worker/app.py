@@ -20,9 +20,9 @@ from typing import Any
 
 from celery import Celery, signals
 
-from producer.cli import RET_CONFIG, RET_ENGINE
-from producer.publish import PRIORITY_SEP, PRIORITY_STEPS, task_name
-from producer.routing import move_all, rescue_orphans, urgent_queue, worker_queue
+from protocol.exits import RET_CONFIG, RET_ENGINE
+from protocol.routing import move_all, rescue_orphans, urgent_queue, worker_queue
+from protocol.wire import PRIORITY_SEP, PRIORITY_STEPS, task_name
 from schemas import JOB_TYPES, Settings, get_settings, jobs
 
 log = logging.getLogger(__name__)
@@ -439,7 +439,7 @@ def _add_queues(sender: Any = None, instance: Any = None, **_: Any) -> None:
 
     - the urgent queue: urgent jobs wait for nobody's free slot but their own (``Intakes``);
     - its engine's own queue, ``<queue>@<first process>``, where producers route jobs by prefix
-      (producer/routing.py), except the urgent intake, which takes urgent jobs alone.
+      (protocol/routing.py), except the urgent intake, which takes urgent jobs alone.
 
     Added here, Celery's way (``celeryd_after_setup``), so that a worker started with plain
     ``celery -A worker.app worker`` consumes the queue its heartbeat advertises too."""
@@ -488,14 +488,14 @@ def _close_engine(**_: Any) -> None:
 
 
 def _store() -> Any:
-    from producer.store import BatchStore
+    from protocol.store import BatchStore
 
     return BatchStore.from_settings(settings)
 
 
 def _broker() -> Any:
     """A client of the broker's Redis (the queues), which may not be the result store's."""
-    from producer.store import BatchStore
+    from protocol.store import BatchStore
 
     if settings.broker_url == settings.backend_url():
         return _store().r

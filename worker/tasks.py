@@ -1,7 +1,7 @@
 """Thin Celery tasks: read the envelope, run the job, store the result, return a short summary.
 
 The summary (not the output) is what Flower sees; the full result is in the batch's stream
-(``producer.store``). A job whose result is already stored is not run again,
+(``protocol.store``). A job whose result is already stored is not run again,
 so a redelivery after a lost acknowledgement costs a lookup, not a generation.
 
 Every job ends with exactly one result. A task acknowledges its job whatever happens (a failing
@@ -37,7 +37,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer.publish import task_name
+from protocol.wire import task_name
 from schemas import JOB_TYPES, Envelope, JobError, JobResult, Timings
 from schemas.jobs import BATCH_PATTERN
 from schemas.results import ErrorType
@@ -56,7 +56,7 @@ _dying = False
 def store() -> Any:
     global _store
     if _store is None:
-        from producer.store import BatchStore
+        from protocol.store import BatchStore
 
         _store = BatchStore.from_settings(settings)
     return _store

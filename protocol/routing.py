@@ -23,7 +23,7 @@ import redis
 
 from schemas import Envelope
 
-from .publish import queue_depth, queue_keys
+from .wire import queue_depth, queue_keys
 
 
 def worker_queue(queue: str, worker: str) -> str:

@@ -451,7 +451,7 @@ class BatchStore:
 
     def gone_workers(self, queue: str) -> list[tuple[str, float]]:
         """Workers of ``queue`` whose heartbeat ran out, and when: their own queues want
-        rescuing (``producer.routing.rescue_orphans``)."""
+        rescuing (``protocol.routing.rescue_orphans``)."""
         gone = self.r.zrangebyscore(f"{self.prefix}:workers", 0, time.time(), withscores=True)
         if not gone:
             return []
