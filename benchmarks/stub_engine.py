@@ -48,6 +48,7 @@ class StubEngine:
         monitor: Any = None,
         priority: int = 0,
         batch: str | None = None,
+        salt: str | None = None,
     ) -> Generation:
         with self._lock:
             self.jobs_done += 1

@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 # at most this many line errors are kept on a failed batch (OpenAI's object is a short list)
 MAX_BATCH_ERRORS = 100
+# a request body other than an upload: a batch's create call is a few hundred bytes
+MAX_REQUEST_BYTES = 1 << 20
 
 
 def _digest(key: str) -> str:
@@ -296,8 +298,9 @@ class Batches:
         def envelopes() -> Iterator[Envelope]:
             for p in self._lines(b.input_file_id):
                 yield Envelope(
-                    job=p.job, batch=bid, format=p.format, model=p.model, enqueued_at=time.time()
-                )
+                    job=p.job, batch=bid, format=p.format, model=p.model,
+                    enqueued_at=time.time(), tenant=tenant,
+                )  # fmt: skip
 
         # the batch exists in the store before it is in_progress, so a cancel from now on
         # reaches its jobs
@@ -419,8 +422,10 @@ class Batches:
 
 
 def vqueue_line(r: JobResult) -> dict[str, Any]:
-    """A vqueue job's result as a batch output line: the ``JobResult`` as the response body."""
-    body = json.loads(r.model_dump_json())
+    """A vqueue job's result as a batch output line: the ``JobResult`` as the response body,
+    less what would tell one tenant about the fleet or others' work: which worker ran it, and
+    how much of its prompt was already cached."""
+    body = json.loads(r.model_dump_json(exclude={"worker": True, "usage": {"cached_tokens"}}))
     if r.status == "completed":
         return {
             "id": f"batch_req_{r.id}",
@@ -443,8 +448,9 @@ def vqueue_line(r: JobResult) -> dict[str, Any]:
 def create_app(settings: Settings | None = None) -> Any:
     from fastapi import Depends, FastAPI, Header, HTTPException, Request
     from fastapi.concurrency import run_in_threadpool
-    from fastapi.responses import FileResponse, JSONResponse
-    from prometheus_client import Counter, make_asgi_app
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import FileResponse, JSONResponse, Response
+    from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
     s = settings or get_settings()
     store = ApiStore(s)
@@ -476,7 +482,14 @@ def create_app(settings: Settings | None = None) -> Any:
         task.cancel()
 
     app = FastAPI(title="vqueue", version="0.1.0", lifespan=lifespan)
-    app.mount("/metrics", make_asgi_app())
+    upload_limit = s.max_file_bytes + 65536  # the file, and the form around it
+    app.add_middleware(
+        BodyLimit, limit=lambda path: upload_limit if path == "/v1/files" else MAX_REQUEST_BYTES
+    )
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.middleware("http")
     async def count(request: Request, call_next: Any) -> Any:
@@ -495,6 +508,17 @@ def create_app(settings: Settings | None = None) -> Any:
         detail = exc.detail if isinstance(exc.detail, dict) else {"message": str(exc.detail)}
         detail.setdefault("type", "invalid_request_error")
         return JSONResponse({"error": detail}, status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def openai_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        """A bad request body as OpenAI answers it: 400, the first problem, the field named."""
+        first = exc.errors()[0] if exc.errors() else {}
+        where = [str(x) for x in first.get("loc", ()) if x != "body"]
+        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        param = ".".join(where) or None
+        error = {"message": f"{param}: {message}" if param else message, "param": param,
+                 "type": "invalid_request_error", "code": "invalid_request"}  # fmt: skip
+        return JSONResponse({"error": error}, status_code=400)
 
     def tenant(authorization: str | None = Header(default=None)) -> str:
         if not authorization or not authorization.lower().startswith("bearer "):
@@ -517,10 +541,7 @@ def create_app(settings: Settings | None = None) -> Any:
 
     @app.post("/v1/files", response_model=FileObject)
     async def upload(request: Request, who: str = Depends(tenant)) -> FileObject:
-        limit = s.max_file_bytes
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > limit + 65536:
-            raise fail(413, f"the upload is over the {limit}-byte limit (VQUEUE_MAX_FILE_BYTES)")
+        limit = s.max_file_bytes  # the body as it arrives is bounded by ``BodyLimit``
         # Starlette spools each file part to disk past 1 MiB: the upload is never held whole
         form = await request.form(max_files=1, max_fields=8)
         purpose, upload = form.get("purpose"), form.get("file")
@@ -605,6 +626,58 @@ def create_app(settings: Settings | None = None) -> Any:
         return b
 
     return app
+
+
+class BodyLimit:
+    """Refuses a request body past ``limit(path)`` bytes with 413, counted as it arrives, so a
+    chunked upload (no Content-Length) is bounded like any other. The app sees the request end
+    where the limit passed, and whatever it answers to that is replaced by the 413."""
+
+    def __init__(self, app: Any, limit: Any) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit(scope["path"])
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            await self._refuse(send, limit)
+            return
+        seen, over = 0, False
+
+        async def counted() -> Any:
+            nonlocal seen, over
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    over = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def unless_over(message: Any) -> None:
+            if not over:
+                await send(message)
+
+        try:
+            await self.app(scope, counted, unless_over)
+        except Exception:
+            if not over:
+                raise
+        if over:
+            await self._refuse(send, limit)
+
+    @staticmethod
+    async def _refuse(send: Any, limit: int) -> None:
+        body = json.dumps({"error": {
+            "message": f"the request body is over its {limit}-byte limit",
+            "type": "invalid_request_error", "param": None, "code": "request_too_large",
+        }}).encode()  # fmt: skip
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
 
 
 def serve(host: str, port: int, settings: Settings | None = None) -> None:

@@ -241,7 +241,7 @@ def submit(
                 try:
                     env = Envelope(
                         job=p.job, batch=batch, format=p.format, model=p.model,
-                        enqueued_at=time.time(),
+                        enqueued_at=time.time(), tenant=client.settings.tenant,
                     )  # fmt: skip
                     env.wire()
                 except (ValueError, RecursionError) as exc:

@@ -331,13 +331,16 @@ class Client:
         return self.store.withdraw(batch_id, "cancelled")
 
     def _envelope(self, item: Any, batch_id: str) -> Envelope:
-        if isinstance(item, Envelope):  # it joins this batch, whatever batch it was made for
-            return item if item.batch == batch_id else item.model_copy(update={"batch": batch_id})
+        tenant = self.settings.tenant
+        if isinstance(item, Envelope):  # it joins this batch and tenant, whatever it was made for
+            if (item.batch, item.tenant) == (batch_id, tenant):
+                return item
+            return Envelope(**{**dict(item), "batch": batch_id, "tenant": tenant})
         job = item if not isinstance(item, dict) else _job_adapter.validate_python(item)
         name = getattr(job, "template", None)
         if name is not None and not self.template_known(name):
             raise ValueError(f"job {job.id}: unknown template {name!r} (`vqueue templates list`)")
-        return Envelope(job=job, batch=batch_id, enqueued_at=time.time())
+        return Envelope(job=job, batch=batch_id, enqueued_at=time.time(), tenant=tenant)
 
     def template_known(self, name: str) -> bool:
         """A built-in or registered extraction template (looked up once per name)."""

@@ -29,16 +29,23 @@ FINAL_STATES = ("failed", "completed", "expired", "cancelled")
 
 FilePurpose = Literal["batch", "batch_output"]
 
-_WINDOW = re.compile(r"^(\d+)([smhd])$")
+_WINDOW = re.compile(r"^(\d{1,7})([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_WINDOW_S = 7 * 86400  # a batch's results are kept a week (VQUEUE_RESULT_TTL_S)
+# OpenAI's limits on a batch's metadata
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 
 def window_seconds(window: str) -> int:
-    """``completion_window`` in seconds: ``24h`` (OpenAI's only value), or any ``<n>s|m|h|d``."""
+    """``completion_window`` in seconds: ``24h`` (OpenAI's only value), or any ``<n>s|m|h|d``
+    up to 7 days."""
     m = _WINDOW.match(window)
     if not m or int(m.group(1)) <= 0:
-        raise ValueError(f"completion_window must look like 24h, 30m or 90s, not {window!r}")
-    return int(m.group(1)) * _UNIT_S[m.group(2)]
+        raise ValueError(f"completion_window must look like 24h, 30m or 90s, not {window[:40]!r}")
+    seconds = int(m.group(1)) * _UNIT_S[m.group(2)]
+    if seconds > MAX_WINDOW_S:
+        raise ValueError(f"completion_window is at most 7d, not {window!r}")
+    return seconds
 
 
 class FileObject(BaseModel):
@@ -73,7 +80,20 @@ class BatchCreate(BaseModel):
     input_file_id: str = Field(min_length=1, max_length=128)
     endpoint: Endpoint
     completion_window: str = "24h"
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    metadata: dict[str, str] | None = Field(default=None, max_length=MAX_METADATA_KEYS)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        for key, value in (v or {}).items():
+            if len(key) > MAX_METADATA_KEY_CHARS:
+                raise ValueError(f"metadata keys are at most {MAX_METADATA_KEY_CHARS} characters")
+            if len(value) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(
+                    f"metadata values are at most {MAX_METADATA_VALUE_CHARS} characters "
+                    f"({key[:64]!r} has {len(value)})"
+                )
+        return v
 
     @field_validator("completion_window")
     @classmethod

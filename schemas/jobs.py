@@ -321,6 +321,8 @@ class Envelope(BaseModel):
     enqueued_at: float
     # jobs with one key share a prompt prefix (``prefix_key``); filled in when not given
     prefix_key: str | None = Field(default=None, max_length=64)
+    # whose job: the engine caches its prompt's prefix for this tenant alone (vLLM's cache_salt)
+    tenant: str | None = Field(default=None, max_length=128)
     _wire: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")

@@ -58,6 +58,7 @@ class FakeEngine(StubEngine):
         monitor: Any = None,
         priority: int = 0,
         batch: str | None = None,
+        salt: str | None = None,
     ) -> Generation:
         with self._lock:
             self.in_flight += 1

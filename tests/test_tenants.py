@@ -207,50 +207,89 @@ def _one_result_each(r: redis.Redis, batch: str) -> int:
 
 
 # ------------------------------------------------------------------------- the HTTP server
-def test_hostile_schemas_fail_their_own_batch_and_the_server_lives(
-    procs: Procs, tmp_path: Path
-) -> None:
-    import openai
+class Served:
+    """A ``vqueue serve`` with a fake-engine worker behind it, its own Redis, two tenants."""
 
-    # Given a server whose schema checks may take 150 MiB each, a worker (fake engine), two
-    # tenants
-    server: RedisServer = procs.redis(tmp_path / "redis", aof=False)
+    def __init__(self, url: str, keys: dict[str, str], api: Any, files: Path) -> None:
+        self.url, self.keys, self.api, self.files = url, keys, api, files
+
+    def sdk(self, tenant: str) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.keys[tenant], max_retries=0)
+
+    def batch(self, tenant: str, lines: list[dict[str, Any]], **create: Any) -> tuple[Any, str]:
+        sdk = self.sdk(tenant)
+        path = self.files / f"input-{tenant}.jsonl"
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        with open(path, "rb") as fh:
+            f = sdk.files.create(file=fh, purpose="batch")
+        create.setdefault("endpoint", "/v1/vqueue/jobs")
+        b = sdk.batches.create(input_file_id=f.id, completion_window="24h", **create)
+        return sdk, b.id
+
+    def post(self, path: str, headers: dict[str, str], body: list[bytes]) -> tuple[int, Any]:
+        """A raw POST whose body is sent piece by piece (chunked when ``headers`` names no
+        length), as far as the server reads it; then its answer."""
+        import http.client
+        from urllib.parse import urlsplit
+
+        u = urlsplit(self.url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        conn.putrequest("POST", path)
+        chunked = "Content-Length" not in headers
+        for k, v in {"Authorization": f"Bearer {self.keys['a']}", **headers}.items():
+            conn.putheader(k, v)
+        if chunked:
+            conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        try:
+            for piece in body:
+                conn.send(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            if chunked:
+                conn.send(b"0\r\n\r\n")
+        except OSError:  # the server answered before the body was all sent
+            pass
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+
+
+@pytest.fixture(scope="module")
+def served(module_procs: Procs, tmp_path_factory: pytest.TempPathFactory) -> Served:
+    tmp = tmp_path_factory.mktemp("served")
+    server: RedisServer = module_procs.redis(tmp / "redis", aof=False)
     r = redis.Redis.from_url(server.url, decode_responses=True)
-    procs.fake_worker("api", server.url, delay=0.05, concurrency=8, queue="full").wait_ready(r)
+    w = module_procs.fake_worker("api", server.url, delay=0.05, concurrency=8, queue="full")
+    w.wait_ready(r)
     keys = {t: _cli("keys", "create", t, url=server.url).stdout.decode().strip() for t in "ab"}
     port = free_port()
     env = worker_env(
-        "full", VQUEUE_BROKER_URL=server.url, VQUEUE_FILES_DIR=str(tmp_path / "files"),
+        "full", VQUEUE_BROKER_URL=server.url, VQUEUE_FILES_DIR=str(tmp / "files"),
         VQUEUE_API_POLL_S="0.2", VQUEUE_SCHEMA_CHECK_MEMORY_MB="150",
+        VQUEUE_MAX_FILE_BYTES=str(4 << 20),
     )  # fmt: skip
-    api = procs.popen(
+    api = module_procs.popen(
         [sys.executable, "-m", "producer.cli", "serve", "--port", str(port)],
         cwd=WORKDIR, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: _healthy(url), 60, "vqueue serve to answer /healthz")
+    return Served(url, keys, api, tmp)
 
-    def batch(tenant: str, lines: list[dict[str, Any]]) -> Any:
-        sdk = openai.OpenAI(base_url=url + "/v1", api_key=keys[tenant], max_retries=0)
-        path = tmp_path / f"{tenant}.jsonl"
-        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-        with open(path, "rb") as fh:
-            f = sdk.files.create(file=fh, purpose="batch")
-        b = sdk.batches.create(
-            input_file_id=f.id, endpoint="/v1/vqueue/jobs", completion_window="24h"
-        )
-        return sdk, b.id
 
+def _extract(i: int, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"id": f"x{i}", "type": "extract", "text": "x", "json_schema": schema}
+
+
+def test_hostile_schemas_fail_their_own_batch_and_the_server_lives(served: Served) -> None:
     # When tenant a sends the line that aborted the server, and one whose grammar is too big
-    def extract(i: int, schema: dict[str, Any]) -> dict[str, Any]:
-        return {"id": f"x{i}", "type": "extract", "text": "x", "json_schema": schema}
-
+    # for the server's 150 MiB per check
     billion = {"type": "array", "items": {"type": "integer"}, "maxItems": 1_000_000_000}
-    sdk_a, bad = batch("a", [extract(0, billion), extract(1, HUNGRY)])
+    sdk_a, bad = served.batch("a", [_extract(0, billion), _extract(1, HUNGRY)])
     # and tenant b an ordinary batch
     ok_lines = [{"id": f"s{i}", "type": "summarize", "text": "hello"} for i in range(20)]
-    ok_lines.append(extract(99, PLAIN))
-    sdk_b, ok = batch("b", ok_lines)
+    ok_lines.append(_extract(99, PLAIN))
+    sdk_b, ok = served.batch("b", ok_lines)
     # Then a's batch fails, each line saying why in one sentence; b's, its schema accepted, runs
     # to the end (the fake engine answers no JSON, so its extract line ends failed there)
     failed = _until(sdk_a, bad, ("failed", "completed"))
@@ -263,8 +302,58 @@ def test_hostile_schemas_fail_their_own_batch_and_the_server_lives(
     assert done.status == "completed" and done.request_counts.total == 21, done
     assert done.request_counts.completed == 20, done
     # and the server is up, its peak memory far from what the schemas asked for
-    assert api.poll() is None and _healthy(url)
-    assert _peak_rss_mb(api.pid) < 1024
+    assert served.api.poll() is None and _healthy(served.url)
+    assert _peak_rss_mb(served.api.pid) < 1024
+
+
+def test_a_tenant_sees_neither_the_worker_nor_the_prefix_cache(served: Served) -> None:
+    # Given a finished batch of tenant b's own jobs
+    sdk, bid = served.batch("b", [{"id": "w", "type": "summarize", "text": "hello"}])
+    done = _until(sdk, bid, ("completed", "failed"))
+    # Then its results name no worker, and say nothing of what the engine had cached
+    body = json.loads(sdk.files.content(done.output_file_id).text)["response"]["body"]
+    assert body["status"] == "completed" and "worker" not in body
+    assert "cached_tokens" not in body["usage"] and body["usage"]["prompt_tokens"] >= 0
+
+
+def test_bodies_windows_and_metadata_are_bounded_as_openai_bounds_them(served: Served) -> None:
+    sdk = served.sdk("a")
+    path = served.files / "one.jsonl"
+    path.write_text(json.dumps({"id": "m", "type": "summarize", "text": "x"}) + "\n")
+    with open(path, "rb") as fh:
+        f = sdk.files.create(file=fh, purpose="batch")
+    create = {"input_file_id": f.id, "endpoint": "/v1/vqueue/jobs", "completion_window": "24h"}
+    # A body over 1 MiB is refused before it is read when its length says so, and as it
+    # arrives when it comes in chunks with no length
+    json_type = {"Content-Type": "application/json"}
+    code, answer = served.post("/v1/batches", {**json_type, "Content-Length": str(2 << 20)}, [])
+    assert code == 413 and answer["error"]["code"] == "request_too_large", answer
+    pieces = [b"x" * 65536] * 17  # 1 MiB and a piece
+    assert served.post("/v1/batches", json_type, pieces)[0] == 413
+    # and so is an upload past VQUEUE_MAX_FILE_BYTES (4 MiB here) sent in chunks
+    boundary = "vqbound"
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+            f"filename=\"f.jsonl\"\r\n\r\n").encode()  # fmt: skip
+    form = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+    assert served.post("/v1/files", form, [head, *[b"x" * 65536] * 66])[0] == 413
+    # A window past 7 days, metadata past OpenAI's limits: 400 in OpenAI's shape, naming the field
+    import openai
+
+    for bad, param in (
+        ({"completion_window": "999999999d"}, "completion_window"),
+        ({"completion_window": "8d"}, "completion_window"),
+        ({"metadata": {"k": "v" * 513}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            sdk.batches.create(**{**create, **bad})
+        assert err.value.body["param"] == param, err.value.body  # type: ignore[index]
+        assert err.value.body["message"].startswith(param), err.value.body  # type: ignore[index]
+    # /metrics answers at its own path, no redirect
+    with urllib.request.urlopen(served.url + "/metrics", timeout=10) as resp:
+        assert resp.status == 200 and resp.url.endswith("/metrics")
 
 
 def _until(sdk: Any, bid: str, states: tuple[str, ...]) -> Any:

@@ -155,9 +155,12 @@ class EngineHost:
         monitor: Monitor | None = None,
         priority: int = 0,
         batch: str | None = None,
+        salt: str | None = None,
     ) -> Generation:
         """Run one request to completion; blocks the calling (task) thread, not the engine.
-        ``batch``: the job's, so that ``abort_batch`` can stop it.
+        ``batch``: the job's, so that ``abort_batch`` can stop it. ``salt``: vLLM's
+        ``cache_salt`` (the job's tenant): its prompt shares cached prefixes only with requests
+        of the same salt, so no tenant can tell from timing or counts what another's prompts hold.
         With ``monitor`` (and the monitor loaded), the engine watches its confidence and, if
         ``monitor.abort``, stops it the step the rule holds (``Generation.aborted``).
         ``priority``: the job's, 0-9, higher first; vLLM's scheduler admits waiting requests in
@@ -185,7 +188,9 @@ class EngineHost:
         order = 9 - priority if self.settings.scheduling_policy == "priority" else 0
         sent_at = time.time()
         try:
-            future = self.frontend.submit(prompt_ids, params, order, priority, first_of_group, rule)
+            future = self.frontend.submit(
+                prompt_ids, params, order, priority, first_of_group, rule, salt
+            )
         except BaseException:
             if first_of_group is not None:
                 first_of_group.set()  # never leave the group waiting

@@ -13,7 +13,7 @@ sampling parameters one way, and each request's text, counts and timings the oth
 
 The wire is one duplex ``multiprocessing`` pipe of pickled tuples:
 
-- worker to frontend: ``("gen", rid, prompt_ids, params, order, priority, lead, rule)``,
+- worker to frontend: ``("gen", rid, prompt_ids, params, order, priority, lead, rule, salt)``,
   ``("abort", rid)``, ``("metrics", rid)``, ``("close",)``;
 - frontend to worker: first ``("ready", plan, tokenizer)`` or ``("failed", kind, text)``, then
   lists of ``("first", rid)`` (a leading request's first token), ``("done", rid, Output)``,
@@ -156,6 +156,7 @@ class FrontendLink:
         priority: int,
         lead: threading.Event | None = None,
         rule: LogprobRule | None = None,
+        salt: str | None = None,
     ) -> concurrent.futures.Future[Output]:
         """Start one request. ``order``: vLLM's priority (lower first); ``priority``: the
         job's (higher first), which orders requests waiting to start on vLLM's loop; ``lead``:
@@ -163,7 +164,7 @@ class FrontendLink:
         rid = uuid.uuid4().hex  # vLLM's request id too: fresh per call, a retry never collides
         future: concurrent.futures.Future[Output] = concurrent.futures.Future()
         data = pickle.dumps(
-            ("gen", rid, prompt_ids, params, order, priority, lead is not None, rule),
+            ("gen", rid, prompt_ids, params, order, priority, lead is not None, rule, salt),
             protocol=pickle.HIGHEST_PROTOCOL,
         )
         with self._lock:
@@ -589,8 +590,9 @@ class Frontend:
             self._admitting = bool(self._admissions)
             batch = [b for b in batch if b[2] in self._waiting]
             self._waiting.difference_update(b[2] for b in batch)
-        for _, _, rid, (ids, params, order, _priority, lead, rule) in batch:
-            task = self.loop.create_task(self._generate(rid, ids, params, order, lead, rule))
+        for _, _, rid, (ids, params, order, _priority, lead, rule, salt) in batch:
+            prompt = {"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
+            task = self.loop.create_task(self._generate(rid, prompt, params, order, lead, rule))
             self._tasks[rid] = task
             task.add_done_callback(functools.partial(self._finished, rid))
         if self._admitting:
@@ -622,7 +624,7 @@ class Frontend:
     async def _generate(
         self,
         rid: str,
-        prompt_ids: list[int],
+        prompt: dict[str, Any],
         params: Any,
         order: int,
         lead: bool,
@@ -646,9 +648,7 @@ class Frontend:
         streamed = 0
         aborted = False
         try:
-            async for out in self.engine.generate(
-                {"prompt_token_ids": prompt_ids}, params, rid, priority=order
-            ):
+            async for out in self.engine.generate(prompt, params, rid, priority=order):
                 if final is None and lead:
                     self._reply(rid, ("first", rid), last=False)
                 final = out
@@ -679,7 +679,7 @@ class Frontend:
             text=text,
             finish_reason=finish,
             stop_reason=choice.stop_reason,
-            prompt_tokens=len(final.prompt_token_ids or prompt_ids),
+            prompt_tokens=len(final.prompt_token_ids or prompt["prompt_token_ids"]),
             completion_tokens=tokens,
             first_token_at=_first_token_at(final),
             cached_tokens=int(getattr(final, "num_cached_tokens", 0) or 0),

@@ -113,8 +113,9 @@ def run_job(
             )
         max_tokens = min(want, room)
         gen = generate(
-            job, engine, settings, prompt, max_tokens, env.prefix_key, result, grammar, deadline
-        )
+            job, engine, settings, prompt, max_tokens, env.prefix_key, result, grammar, deadline,
+            env.tenant,
+        )  # fmt: skip
         cut = 0
         if _wants_json(job) and gen.finish_reason == "length" and room > max_tokens:
             # JSON cut off: once more with twice the room; what the first run wrote is lost
@@ -122,8 +123,9 @@ def run_job(
             max_tokens = min(2 * max_tokens, room)
             result.timings.previous_finished_at = gen.finished_at
             gen = generate(
-                job, engine, settings, prompt, max_tokens, None, result, grammar, deadline
-            )
+                job, engine, settings, prompt, max_tokens, None, result, grammar, deadline,
+                env.tenant,
+            )  # fmt: skip
         result.text = gen.text
         result.finish_reason = gen.finish_reason
         result.usage = Usage(
@@ -176,13 +178,15 @@ def generate(
     result: JobResult,
     grammar: dict[str, Any] | None = None,
     deadline: float | None = None,
+    salt: str | None = None,
 ) -> Generation:
     """Generate the job's answer. The engine ends a generation that loops (``loop_detection``);
     the job then runs again with a frequency penalty on its own tokens, at most ``loop_retries``
     times, every run recorded in ``result.attempts``. Under early stop each run is itself
     attempt after attempt until one is not aborted. All of them end by ``deadline`` (monotonic;
     default: the job's timeout from now).
-    ``grammar``: the schema the guided decoding compiles (``structured.generation_schema``)."""
+    ``grammar``: the schema the guided decoding compiles (``structured.generation_schema``).
+    ``salt``: the job's tenant, vLLM's ``cache_salt``: a prefix is cached for its tenant only."""
     if deadline is None:
         limit = min(job.timeout_s or settings.job_timeout_s, settings.job_timeout_s)
         deadline = time.monotonic() + limit
@@ -192,7 +196,7 @@ def generate(
         key = prefix_key if retry == 0 else None
         gen = _attempts(
             job, engine, settings, prompt, max_tokens, key, result, grammar, deadline, loops,
-            penalty,
+            penalty, salt,
         )  # fmt: skip
         if gen.finish_reason != "repetition":
             return gen
@@ -234,6 +238,7 @@ def _attempts(
     deadline: float,
     loops: Any,
     penalty: float,
+    salt: str | None = None,
 ) -> Generation:
     """One run of the job: a single generation, or under early stop attempts until one is not
     aborted. A run is recorded in ``result.attempts`` when the job is monitored, when it
@@ -245,8 +250,9 @@ def _attempts(
             seed = job.seed + 1 if job.seed is not None else random.randrange(2**31)
         params = sampling_params(job, max_tokens, temperature, seed, grammar, loops, penalty)
         gen = engine.generate(
-            prompt, params, _left(deadline), prefix_key, priority=job.priority, batch=result.batch
-        )
+            prompt, params, _left(deadline), prefix_key, priority=job.priority,
+            batch=result.batch, salt=salt,
+        )  # fmt: skip
         if penalty or gen.finish_reason == "repetition":
             result.attempts.append(_attempt(result, gen, temperature, seed, penalty))
         return gen
@@ -260,8 +266,9 @@ def _attempts(
         left = _left(deadline)
         key = prefix_key if k == 0 else None
         gen = engine.generate(
-            prompt, params, left, key, monitor, priority=job.priority, batch=result.batch
-        )
+            prompt, params, left, key, monitor, priority=job.priority, batch=result.batch,
+            salt=salt,
+        )  # fmt: skip
         result.attempts.append(_attempt(result, gen, temperature, seed, penalty))
         if not gen.aborted:
             result.low_confidence = result.attempts[-1].low_confidence
