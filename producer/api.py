@@ -59,6 +59,19 @@ def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def _private(path: str, flags: int) -> int:
+    """``open``'s opener for tenants' files: readable by the server's user alone."""
+    return os.open(path, flags, 0o600)
+
+
+def _safe_name(filename: str) -> str:
+    """An upload's name as it is echoed back (the file object, ``Content-Disposition``): its
+    last path part, printable characters only, bounded."""
+    name = os.path.basename(filename.replace("\\", "/"))
+    name = "".join(c for c in name if c.isprintable() and c not in '"')[:200]
+    return name or "upload.jsonl"
+
+
 class ApiStore:
     """Files, batches and API keys: metadata in Redis, file contents on disk."""
 
@@ -69,6 +82,7 @@ class ApiStore:
         self.p = f"{settings.key_prefix}:api"
         self.dir = Path(settings.files_dir or cache_dir() / "files").expanduser()
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.chmod(0o700)  # tenants' inputs and results: the server's user alone
 
     # -- keys
     def create_key(self, tenant: str) -> str:
@@ -95,17 +109,15 @@ class ApiStore:
         fid = "file-" + secrets.token_hex(16)
         path = self.dir / fid
         size = 0
-        with open(path, "wb") as out:
+        with open(path, "wb", opener=_private) as out:
             while chunk := src.read(1 << 20):
                 size += len(chunk)
                 if size > limit:
                     out.close()
                     path.unlink(missing_ok=True)
-                    raise TooLarge(
-                        f"the file is over the {limit}-byte limit (VQUEUE_MAX_FILE_BYTES)"
-                    )
+                    raise TooLarge
                 out.write(chunk)
-        return self.register(tenant, fid, filename, purpose, size)
+        return self.register(tenant, fid, _safe_name(filename), purpose, size)
 
     def register(self, tenant: str, fid: str, filename: str, purpose: str, size: int) -> FileObject:
         f = FileObject(
@@ -114,8 +126,31 @@ class ApiStore:
         pipe = self.r.pipeline()
         pipe.hset(f"{self.p}:file:{fid}", mapping={"tenant": tenant, "obj": f.model_dump_json()})
         pipe.zadd(f"{self.p}:tenant:{tenant}:files", {fid: time.time()})
+        pipe.hincrby(f"{self.p}:tenant:{tenant}:usage", "bytes", size)
         pipe.execute()
         return f
+
+    def usage(self, tenant: str) -> tuple[int, int, int]:
+        """What the tenant holds against its quotas: files, their bytes, batches not ended."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zcard(f"{self.p}:tenant:{tenant}:files")
+        pipe.hget(f"{self.p}:tenant:{tenant}:usage", "bytes")
+        pipe.scard(f"{self.p}:tenant:{tenant}:active")
+        files, size, batches = pipe.execute()
+        return int(files), int(size or 0), int(batches)
+
+    def open_jobs(self, tenant: str, but: str = "") -> int:
+        """Jobs of the tenant's batches not ended (``but`` that one) that have no result yet."""
+        ids = [i for i in self.r.smembers(f"{self.p}:tenant:{tenant}:active") if i != but]
+        pipe = self.r.pipeline(transaction=False)
+        for i in ids:
+            pipe.hget(f"{self.p}:batch:{i}", "obj")
+        left = 0
+        for raw in pipe.execute():
+            if raw:
+                c = BatchObject.model_validate_json(raw).request_counts
+                left += max(c.total - c.completed - c.failed, 0)
+        return left
 
     def file(self, tenant: str, fid: str) -> FileObject | None:
         h = self.r.hgetall(f"{self.p}:file:{fid}")
@@ -138,11 +173,13 @@ class ApiStore:
         ]
 
     def delete_file(self, tenant: str, fid: str) -> bool:
-        if self.file(tenant, fid) is None:
+        f = self.file(tenant, fid)
+        if f is None:
             return False
         pipe = self.r.pipeline()
         pipe.delete(f"{self.p}:file:{fid}")
         pipe.zrem(f"{self.p}:tenant:{tenant}:files", fid)
+        pipe.hincrby(f"{self.p}:tenant:{tenant}:usage", "bytes", -f.bytes)
         pipe.execute()
         self.path(fid).unlink(missing_ok=True)
         return True
@@ -155,8 +192,10 @@ class ApiStore:
         pipe.zadd(f"{self.p}:tenant:{tenant}:batches", {b.id: b.created_at}, nx=True)
         if b.status in FINAL_STATES:
             pipe.srem(f"{self.p}:active", b.id)
+            pipe.srem(f"{self.p}:tenant:{tenant}:active", b.id)
         else:
             pipe.sadd(f"{self.p}:active", b.id)
+            pipe.sadd(f"{self.p}:tenant:{tenant}:active", b.id)
         if own:
             pipe.execute()
 
@@ -236,9 +275,10 @@ class Batches:
         self.store.save(tenant, b)
         return b
 
-    def _lines(self, fid: str) -> Iterator[Any]:
-        with open(self.store.path(fid), "rb") as fh:
-            yield from parse_lines(read_lines(fh))
+    @staticmethod
+    def _lines(fh: Any) -> Iterator[Any]:
+        fh.seek(0)
+        yield from parse_lines(read_lines(fh))
 
     def submit(self, tenant: str, bid: str) -> None:
         """Check every line of the input file, then enqueue them all, or fail the batch; it
@@ -251,8 +291,12 @@ class Batches:
         try:
             self._submit(tenant, bid)
         except Exception as exc:  # the file gone from disk, Redis away, a bug of ours
-            log.exception("batch %s: validation failed", bid)
-            error = BatchError(code="server_error", message=f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, FileNotFoundError):
+                error = BatchError(code="file_not_found", message="the input file was deleted")
+            else:  # what went wrong is the operator's to read, in the server's log
+                log.exception("batch %s: validation failed", bid)
+                why = f"the server failed to check this batch's input; its log says why ({bid})"
+                error = BatchError(code="server_error", message=why)
             self._update(
                 tenant, bid, ("in_progress", "cancelling", *FINAL_STATES), status="failed",
                 failed_at=int(time.time()), errors=BatchErrors(data=[error]),
@@ -261,18 +305,29 @@ class Batches:
             grammar_check.tenant.reset(as_tenant)
 
     def _submit(self, tenant: str, bid: str) -> None:
-        from .client import Client
-
         found = self.store.batch(tenant, bid)
         if found is None or found[1].status != "validating":
             return
         b = found[1]
-        client = Client(self.settings, tenant=tenant, on_limit="wait")
+        # held open from here: a delete of the file cannot take it from under the batch
+        with open(self.store.path(b.input_file_id), "rb") as fh:
+            self._check_and_send(tenant, b, fh)
+
+    def _check_and_send(self, tenant: str, b: BatchObject, fh: Any) -> None:
+        from .client import Client, SubmissionStopped
+
+        bid, s = b.id, self.settings
+        client = Client(s, tenant=tenant, on_limit="wait")
         want = "openai" if b.endpoint == "/v1/chat/completions" else "vqueue"
+        ceiling, budget = s.priority_ceiling(tenant), s.token_budget(tenant)
         errors: list[BatchError] = []
         bad = total = 0
-        for p in self._lines(b.input_file_id):
+        for p in self._lines(fh):
             message = p.error
+            if message is None and p.job.priority > ceiling:
+                message = f"priority {p.job.priority} is over this tenant's ceiling of {ceiling}"
+            if message is None and (p.job.max_tokens or 0) > budget:
+                message = f"max_tokens {p.job.max_tokens} is over this tenant's {budget}"
             if message is None and p.format != want:
                 message = f"a {p.format} line in a batch for {b.endpoint}: " + (
                     "lines are vqueue jobs" if want == "vqueue" else "lines are OpenAI requests"
@@ -294,9 +349,15 @@ class Batches:
                 request_counts=RequestCounts(total=total),
             )  # fmt: skip
             return
+        if self.store.open_jobs(tenant, but=bid) + total > s.api_max_open_jobs:
+            why = f"its {total} jobs would pass the tenant's {s.api_max_open_jobs} not finished"
+            quota = BatchErrors(data=[BatchError(code="quota_exceeded", message=why)])
+            self._update(tenant, bid, status="failed", failed_at=now, errors=quota,
+                         request_counts=RequestCounts(total=total))  # fmt: skip
+            return
 
         def envelopes() -> Iterator[Envelope]:
-            for p in self._lines(b.input_file_id):
+            for p in self._lines(fh):
                 yield Envelope(
                     job=p.job, batch=bid, format=p.format, model=p.model,
                     enqueued_at=time.time(), tenant=tenant,
@@ -313,8 +374,6 @@ class Batches:
             self._update(tenant, bid, status="cancelled", cancelled_at=int(time.time()),
                          request_counts=RequestCounts(total=total))  # fmt: skip
             return
-        from .client import SubmissionStopped
-
         try:
             client.submit_many(envelopes(), batch=bid, source=b.input_file_id)
         except SubmissionStopped as exc:  # Redis full or gone: what was sent still runs, and
@@ -391,8 +450,8 @@ class Batches:
         ids = {k: "file-" + secrets.token_hex(16) for k in names}
         counts = {"ok": 0, "err": 0}
         with (
-            open(self.store.path(ids["ok"]), "w") as ok,
-            open(self.store.path(ids["err"]), "w") as err,
+            open(self.store.path(ids["ok"]), "w", opener=_private) as ok,
+            open(self.store.path(ids["err"]), "w", opener=_private) as err,
         ):
             for r in self._results(b.id):
                 line = vqueue_line(r) if vqueue_lines else output_line(r)
@@ -541,7 +600,15 @@ def create_app(settings: Settings | None = None) -> Any:
 
     @app.post("/v1/files", response_model=FileObject)
     async def upload(request: Request, who: str = Depends(tenant)) -> FileObject:
-        limit = s.max_file_bytes  # the body as it arrives is bounded by ``BodyLimit``
+        files, held, _ = await run_in_threadpool(store.usage, who)
+        if files >= s.api_max_files:
+            raise fail(429, f"this tenant keeps {files} files, its quota; delete some first",
+                       "quota_exceeded")  # fmt: skip
+        room = s.api_max_stored_bytes - held
+        if room <= 0:
+            raise fail(429, "this tenant's files fill its storage quota; delete some first",
+                       "quota_exceeded")  # fmt: skip
+        limit = min(s.max_file_bytes, room)  # the body as it arrives is bounded by ``BodyLimit``
         # Starlette spools each file part to disk past 1 MiB: the upload is never held whole
         form = await request.form(max_files=1, max_fields=8)
         purpose, upload = form.get("purpose"), form.get("file")
@@ -553,8 +620,12 @@ def create_app(settings: Settings | None = None) -> Any:
             return await run_in_threadpool(
                 store.add_file, who, upload.file, upload.filename or "upload.jsonl", "batch", limit
             )
-        except TooLarge as exc:
-            raise fail(413, str(exc)) from None
+        except TooLarge:
+            if limit < s.max_file_bytes:
+                raise fail(429, f"the file is larger than the {room} bytes left of this "
+                           "tenant's storage quota", "quota_exceeded") from None  # fmt: skip
+            raise fail(413, f"the file is over the {limit}-byte limit (VQUEUE_MAX_FILE_BYTES)",
+                       "file_too_large") from None  # fmt: skip
         finally:
             await form.close()
 
@@ -591,6 +662,10 @@ def create_app(settings: Settings | None = None) -> Any:
             raise fail(404, f"no file {req.input_file_id!r}")
         if f.purpose != "batch":
             raise fail(400, "the input file's purpose must be 'batch'")
+        open_batches = (await run_in_threadpool(store.usage, who))[2]
+        if open_batches >= s.api_max_open_batches:
+            raise fail(429, f"this tenant has {open_batches} batches not ended, its quota",
+                       "quota_exceeded")  # fmt: skip
         b = await run_in_threadpool(batches.create, who, req)
         # the file is checked and submitted off the request: a big one takes a while
         asyncio.get_running_loop().run_in_executor(None, batches.submit, who, b.id)

@@ -64,9 +64,10 @@ class Ctx:
 
     def __init__(self, broker: str | None, queue: str | None, tenant: str | None = None) -> None:
         pairs = (("broker_url", broker), ("queue", queue), ("tenant", tenant))
-        updates = {k: v for k, v in pairs if v}
-        try:
-            self.settings: Settings = get_settings().model_copy(update=updates)
+        updates = {k: v for k, v in pairs if v is not None}
+        try:  # validated as the environment's values are: an empty or reserved queue is refused
+            base = get_settings()
+            self.settings: Settings = Settings.model_validate({**base.model_dump(), **updates})
         except ValidationError as exc:
             fail(f"invalid settings: {describe_settings_error(exc)}", RET_USAGE)
         self._client: Any = None

@@ -9,10 +9,14 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .jobs import EarlyStop
+
+# Queue names become Redis keys: the batch id's characters, and never ``<queue>.urgent`` or
+# ``<queue>@<worker>`` (protocol/routing.py), which would push into another queue's lists.
+QUEUE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 
 # What to do with a document longer than its type's input limit: keep its beginning, its end,
 # both ends (the middle goes), or fail the job with ``input_too_long``.
@@ -26,7 +30,9 @@ class Settings(BaseSettings):
     broker_url: str = "redis://127.0.0.1:6379/0"
     # defaults to broker_url; Celery's own result backend (Flower, AsyncResult)
     result_backend: str | None = None
-    queue: str = "vqueue"  # the Celery queue jobs go to and workers consume
+    # the Celery queue jobs go to and workers consume (QUEUE_PATTERN: a name, never another
+    # queue's urgent or per-worker list)
+    queue: str = Field(default="vqueue", pattern=QUEUE_PATTERN)
     key_prefix: str = "vqueue"  # prefix of the Redis keys holding batches and results
     result_ttl_s: int = 7 * 24 * 3600  # batches and their results expire after a week
     # Redis redelivers an unacknowledged job after this; must exceed job_timeout_s
@@ -127,7 +133,9 @@ class Settings(BaseSettings):
     # Prometheus /metrics (vqueue_* and vLLM's vllm:*); 0 turns it off. `vqueue worker --gpus N`
     # adds N, so one worker per GPU on a host gets its own port.
     metrics_port: int = Field(default=9808, ge=0, le=65535)
-    metrics_host: str = "0.0.0.0"
+    # loopback: the metrics name batches, workers and load, for the operator's scraper alone;
+    # 0.0.0.0 where the scraper is on another host or container (docker-compose.yml)
+    metrics_host: str = "127.0.0.1"
     # Celery task events (received, started, succeeded) from the start. Off, a monitor turns
     # them on when it watches (Flower does every 5 s): each job's three events were 29% of a
     # consumer thread's time on the H200 (docs/benchmarks.md).
@@ -192,6 +200,13 @@ class Settings(BaseSettings):
     loop_retries: int = Field(default=1, ge=0, le=5)
     loop_retry_frequency_penalty: float = Field(default=0.5, gt=0.0, le=2.0)
 
+    @field_validator("queue")
+    @classmethod
+    def _not_an_urgent_queue(cls, v: str) -> str:
+        if v.endswith(".urgent"):
+            raise ValueError(f"{v!r} is the urgent queue of {v.removesuffix('.urgent')!r}")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.visibility_timeout_s <= self.job_timeout_s:
@@ -237,6 +252,20 @@ class Settings(BaseSettings):
     files_dir: str = ""
     max_file_bytes: int = Field(default=2 * 1024**3, ge=1)  # an upload past this is refused
     api_poll_s: float = Field(default=1.0, gt=0)  # how often open batches are moved along
+    # each HTTP tenant's quotas: files kept and their bytes (uploads and outputs), batches not
+    # yet ended, and jobs those batches have not finished. Past one, an upload or a batch is
+    # refused (429 ``quota_exceeded``), or a batch that would pass the jobs' quota fails
+    api_max_files: int = Field(default=1000, ge=1)
+    api_max_stored_bytes: int = Field(default=20 * 1024**3, ge=1)
+    api_max_open_batches: int = Field(default=100, ge=1)
+    api_max_open_jobs: int = Field(default=1_000_000, ge=1)
+    # the highest priority and the largest max_tokens an HTTP tenant's job may ask for (9 is
+    # urgent: VQUEUE_URGENT_PRIORITY); a line past either is refused. Per tenant:
+    # VQUEUE_API_PRIORITY_CEILINGS='{"ops": 9}', VQUEUE_API_TOKEN_BUDGETS='{"ops": 32768}'
+    api_max_priority: int = Field(default=8, ge=0, le=9)
+    api_max_tokens: int = Field(default=8192, ge=1)
+    api_priority_ceilings: dict[str, int] = Field(default_factory=dict)
+    api_token_budgets: dict[str, int] = Field(default_factory=dict)
 
     def backend_url(self) -> str:
         return self.result_backend or self.broker_url
@@ -275,6 +304,12 @@ class Settings(BaseSettings):
 
     def tenant_rate(self, tenant: str) -> float:
         return self.rate_limits.get(tenant, self.rate_limit_per_s)
+
+    def priority_ceiling(self, tenant: str) -> int:
+        return self.api_priority_ceilings.get(tenant, self.api_max_priority)
+
+    def token_budget(self, tenant: str) -> int:
+        return self.api_token_budgets.get(tenant, self.api_max_tokens)
 
 
 def get_settings() -> Settings:

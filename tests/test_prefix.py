@@ -100,3 +100,20 @@ def test_stopping_a_worker_moves_its_keys_and_loses_nothing(
     after = Client(make_settings(Q))
     res = list(after.submit_many([_job(200, 1)]).results(timeout=300))
     assert res[0].worker == ra
+
+
+def test_a_cached_prefix_serves_its_own_tenant_only(worker: WorkerProc) -> None:
+    # Given tenant a's job with a code context of a few hundred tokens, run to its end
+    def job(i: int) -> dict[str, Any]:
+        return {"id": f"t{i}", "type": "codegen", "context": f"# {RUN} salt\n{CONTEXT}",
+                "instruction": f"Add test {i}.", "max_tokens": 4}  # fmt: skip
+
+    def run(tenant: str, i: int) -> Any:
+        client = Client(make_settings(worker.queue, tenant=tenant))
+        return next(client.submit_many([job(i)]).results(timeout=300))
+
+    assert run("salt-a", 0).status == "completed"
+    # When tenant b sends the same context, Then none of it was cached for b (vLLM's
+    # cache_salt is the tenant), while tenant a's next job finds it cached
+    assert run("salt-b", 1).usage.cached_tokens == 0
+    assert run("salt-a", 2).usage.cached_tokens > 0

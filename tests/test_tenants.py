@@ -375,3 +375,101 @@ def _peak_rss_mb(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no VmHWM")
+
+
+def test_a_tenant_asks_for_no_more_priority_or_tokens_than_it_is_given(served: Served) -> None:
+    # Given HTTP tenants' defaults: priority at most 8 (9 is urgent), max_tokens at most 8192
+    lines = [
+        {"id": "urgent", "type": "summarize", "text": "x", "priority": 9},
+        {"id": "long", "type": "summarize", "text": "x", "max_tokens": 9000},
+        {"id": "fine", "type": "summarize", "text": "x", "priority": 8, "max_tokens": 8192},
+    ]
+    # When a batch asks for more, Then its lines past either are refused, saying which
+    sdk, bid = served.batch("a", lines)
+    failed = _until(sdk, bid, ("failed", "completed"))
+    assert failed.status == "failed"
+    assert {e.line: e.message for e in failed.errors.data} == {
+        1: "priority 9 is over this tenant's ceiling of 8",
+        2: "max_tokens 9000 is over this tenant's 8192",
+    }
+
+
+def test_files_are_private_named_safely_and_a_deleted_input_fails_its_batch(
+    served: Served,
+) -> None:
+    sdk = served.sdk("a")
+    path = served.files / "evil.jsonl"
+    path.write_text(json.dumps({"id": "p", "type": "summarize", "text": "x"}) + "\n")
+    # Given an upload named to climb out of any directory
+    with open(path, "rb") as fh:
+        f = sdk.files.create(file=("../../../../etc/passwd", fh), purpose="batch")
+    # Then its name is its last part alone, and it is kept readable by the server alone
+    assert f.filename == "passwd"
+    stored = served.files / "files" / f.id
+    assert stored.stat().st_mode & 0o777 == 0o600
+    assert stored.parent.stat().st_mode & 0o777 == 0o700
+    # When its contents vanish from disk before a batch reads them
+    stored.unlink()
+    b = sdk.batches.create(input_file_id=f.id, endpoint="/v1/vqueue/jobs", completion_window="1h")
+    failed = _until(sdk, b.id, ("failed", "completed"))
+    # Then the batch fails, saying so without a path
+    assert failed.status == "failed"
+    assert [(e.code, e.message) for e in failed.errors.data] == [
+        ("file_not_found", "the input file was deleted")
+    ]
+
+
+def test_quotas_on_files_open_batches_and_open_jobs(module_procs: Procs, tmp_path: Path) -> None:
+    import openai
+
+    # Given a server with small quotas and no worker (so batches stay open)
+    server: RedisServer = module_procs.redis(tmp_path / "redis", aof=False)
+    key = _cli("keys", "create", "c", url=server.url).stdout.decode().strip()
+    port = free_port()
+    env = worker_env(
+        "tight", VQUEUE_BROKER_URL=server.url, VQUEUE_FILES_DIR=str(tmp_path / "files"),
+        VQUEUE_API_POLL_S="0.2", VQUEUE_API_MAX_FILES="3", VQUEUE_API_MAX_OPEN_BATCHES="2",
+        VQUEUE_API_MAX_OPEN_JOBS="5",
+    )  # fmt: skip
+    module_procs.popen(
+        [sys.executable, "-m", "producer.cli", "serve", "--port", str(port)],
+        cwd=WORKDIR, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _healthy(url), 60, "vqueue serve to answer /healthz")
+    sdk = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+    def upload(n: int) -> Any:
+        path = tmp_path / f"in{n}.jsonl"
+        lines = [{"id": f"j{i}", "type": "summarize", "text": "x"} for i in range(n)]
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        with open(path, "rb") as fh:
+            return sdk.files.create(file=fh, purpose="batch")
+
+    def batch(f: Any) -> Any:
+        return sdk.batches.create(
+            input_file_id=f.id, endpoint="/v1/vqueue/jobs", completion_window="24h"
+        )
+
+    two, four = upload(2), upload(4)
+    # When a batch of 2 jobs is open, Then one of 4 more would pass the 5 open jobs: it fails
+    assert _until(sdk, batch(two).id, ("in_progress",)).status == "in_progress"
+    over = _until(sdk, batch(four).id, ("failed", "in_progress"))
+    assert over.status == "failed" and over.errors.data[0].code == "quota_exceeded", over
+    # and with a second batch open, a third is refused at once (429)
+    assert _until(sdk, batch(two).id, ("in_progress",)).status == "in_progress"
+    with pytest.raises(openai.RateLimitError, match="batches not ended"):
+        batch(two)
+    # and past 3 files kept, an upload is refused likewise
+    upload(1)
+    with pytest.raises(openai.RateLimitError, match="keeps 3 files"):
+        upload(1)
+
+
+@pytest.mark.parametrize("name", ["", "a b", "x@y", "vqueue.urgent", "*", "q:9"])
+def test_a_queue_name_that_could_reach_another_queue_is_refused(name: str) -> None:
+    # `<queue>.urgent`, `<queue>@<worker>` and `<queue>:<step>` are other queues' lists
+    proc = run_cli("--queue", name, "status", "nobatch", timeout=60)
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 2 and "VQUEUE_QUEUE" in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
