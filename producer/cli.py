@@ -126,7 +126,9 @@ def _redact(url: str) -> str:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--broker", metavar="URL", help="Redis URL [env VQUEUE_BROKER_URL]")
 @click.option("--queue", metavar="NAME", help="Celery queue [env VQUEUE_QUEUE]")
-@click.option("--tenant", metavar="NAME", help="Whose jobs, for rate limits [env VQUEUE_TENANT]")
+@click.option(
+    "--tenant", metavar="NAME", help="Whose jobs: rate limits, templates [env VQUEUE_TENANT]"
+)
 @click.pass_context
 def cli(ctx: click.Context, broker: str | None, queue: str | None, tenant: str | None) -> None:
     """Batch LLM jobs through Redis into GPU workers running vLLM."""
@@ -601,11 +603,12 @@ def templates() -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.pass_obj
 def templates_list(obj: Ctx, as_json: bool) -> None:
-    """Built-in and registered templates: name, where from, examples, description."""
+    """The templates this tenant's jobs can name: built-in, shared, and the tenant's own (name,
+    where from, examples, description)."""
     from schemas.templates import BUILTIN
 
     rows = [(t, "built-in") for t in BUILTIN.values()]
-    rows += [(t, "registered") for t in obj.client.store.templates()]
+    rows += obj.client.store.templates(obj.settings.tenant)
     for t, origin in rows:
         if as_json:
             click.echo(
@@ -630,7 +633,7 @@ def templates_show(obj: Ctx, name: str) -> None:
     """One template in full (JSON), as `add` takes it."""
     from schemas.templates import BUILTIN
 
-    t = BUILTIN.get(name) or obj.client.store.template(name)
+    t = BUILTIN.get(name) or obj.client.store.template(name, obj.settings.tenant)
     if t is None:
         fail(f"no template {name!r} (see 'vqueue templates list')", RET_NOT_FOUND)
     click.echo(t.model_dump_json(indent=2))
@@ -638,10 +641,13 @@ def templates_show(obj: Ctx, name: str) -> None:
 
 @templates.command("add")
 @click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--shared", is_flag=True, help="For every tenant, not only --tenant's.")
 @click.pass_obj
-def templates_add(obj: Ctx, file: str) -> None:
-    """Register the template(s) in FILE (a JSON object, or a list of them) for every worker.
-    A registered name replaces an earlier one; built-in names cannot be taken."""
+def templates_add(obj: Ctx, file: str, shared: bool) -> None:
+    """Register the template(s) in FILE (a JSON object, or a list of them) for the jobs of
+    --tenant (VQUEUE_TENANT), or with --shared of every tenant: a template's examples go into
+    every prompt that names it, and may be one tenant's data. A registered name replaces an
+    earlier one; built-in names cannot be taken."""
     from schemas.templates import BUILTIN, Template
 
     try:
@@ -663,20 +669,21 @@ def templates_add(obj: Ctx, file: str) -> None:
         parsed.append(t)
     for t in parsed:
         try:
-            obj.client.store.add_template(t)
+            obj.client.store.add_template(t, None if shared else obj.settings.tenant)
         except ValueError as exc:
             fail(f"{file}: template {t.name!r}: {exc}", RET_INPUT)
-    click.echo(
-        f"{len(parsed)} template(s) registered: {', '.join(t.name for t in parsed)}", err=True
-    )
+    whose = "every tenant" if shared else f"tenant {obj.settings.tenant!r}"
+    names = ", ".join(t.name for t in parsed)
+    click.echo(f"{len(parsed)} template(s) registered for {whose}: {names}", err=True)
 
 
 @templates.command("remove")
 @click.argument("name")
+@click.option("--shared", is_flag=True, help="The shared one, not --tenant's own.")
 @click.pass_obj
-def templates_remove(obj: Ctx, name: str) -> None:
+def templates_remove(obj: Ctx, name: str, shared: bool) -> None:
     """Unregister a template; jobs that name it then fail with unknown_template."""
-    if not obj.client.store.remove_template(name):
+    if not obj.client.store.remove_template(name, None if shared else obj.settings.tenant):
         fail(f"no registered template {name!r}", RET_NOT_FOUND)
 
 

@@ -348,7 +348,7 @@ class Client:
 
         if name in BUILTIN or name in self._templates_seen:
             return True
-        if self.store.template(name) is None:
+        if self.store.template(name, self.settings.tenant) is None:
             return False
         self._templates_seen.add(name)
         return True

@@ -233,35 +233,56 @@ class BatchStore:
     def from_settings(cls, s: Settings) -> BatchStore:
         return cls.from_url(s.backend_url(), s.key_prefix, s.result_ttl_s, s.redis_retry_s)
 
-    # -- extraction templates users register (schemas/templates.py has the built-in ones)
-    def add_template(self, template: Template, check_s: float = TEMPLATE_CHECK_S) -> None:
-        """Register ``template`` for every worker. Its worked examples are checked against its
-        schema here, once, in a child process given ``check_s`` seconds (a ``pattern`` can keep
-        Python's regex engine busy for minutes); workers read it back without checking again.
-        Raises ``ValueError`` when the examples do not fit, or the check runs out of time."""
+    # -- extraction templates users register (schemas/templates.py has the built-in ones). A
+    # template belongs to one tenant (its examples may be that tenant's data), or, registered
+    # as shared (``tenant=None``), to every tenant; a tenant's own name hides a shared one.
+    def templates_key(self, tenant: str | None) -> str:
+        return f"{self.prefix}:" + (f"tenant:{tenant}:templates" if tenant else "templates")
+
+    def add_template(
+        self, template: Template, tenant: str | None, check_s: float = TEMPLATE_CHECK_S
+    ) -> None:
+        """Register ``template`` for ``tenant``'s jobs (every tenant's: None). Its worked
+        examples are checked against its schema here, once, in a child process given
+        ``check_s`` seconds (a ``pattern`` can keep Python's regex engine busy for minutes);
+        workers read it back without checking again. Raises ``ValueError`` when the examples do
+        not fit, or the check runs out of time."""
         problem = _examples_problem_bounded(template, check_s)
         if problem:
             raise ValueError(problem)
-        self.r.hset(f"{self.prefix}:templates", template.name, template.model_dump_json())
+        self.r.hset(self.templates_key(tenant), template.name, template.model_dump_json())
 
-    def template(self, name: str) -> Template | None:
-        """A registered template, as it was checked when added (``pydantic.ValidationError``
-        if what is stored no longer reads as one)."""
-        raw = self.r.hget(f"{self.prefix}:templates", name)
-        return Template.model_validate_json(raw, context=_STORED) if raw else None
+    def template(self, name: str, tenant: str | None) -> Template | None:
+        """The template ``tenant``'s jobs get by ``name``: its own, else a shared one; as it
+        was checked when added (``pydantic.ValidationError`` if it no longer reads as one)."""
+        for key in dict.fromkeys([self.templates_key(tenant), self.templates_key(None)]):
+            raw = self.r.hget(key, name)
+            if raw:
+                return Template.model_validate_json(raw, context=_STORED)
+        return None
 
-    def templates(self) -> list[Template]:
-        """Every registered template that still reads as one."""
+    def templates(self, tenant: str | None) -> list[tuple[Template, str]]:
+        """The templates ``tenant`` can name, with where each is from (``shared`` or
+        ``tenant``), every one that still reads as one."""
+        found: dict[str, tuple[str, str]] = {}
+        for key, origin in (
+            (self.templates_key(None), "shared"),
+            (self.templates_key(tenant), "tenant"),
+        ):
+            if origin == "tenant" and not tenant:
+                continue
+            for name, raw in self.r.hgetall(key).items():
+                found[name] = (raw, origin)
         out = []
-        for _, raw in sorted(self.r.hgetall(f"{self.prefix}:templates").items()):
+        for _, (raw, origin) in sorted(found.items()):
             try:
-                out.append(Template.model_validate_json(raw, context=_STORED))
+                out.append((Template.model_validate_json(raw, context=_STORED), origin))
             except ValueError:  # pydantic's ValidationError: `vqueue templates add` replaces it
                 continue
         return out
 
-    def remove_template(self, name: str) -> bool:
-        return bool(self.r.hdel(f"{self.prefix}:templates", name))
+    def remove_template(self, name: str, tenant: str | None) -> bool:
+        return bool(self.r.hdel(self.templates_key(tenant), name))
 
     def key(self, batch: str, part: str = "") -> str:
         return f"{self.prefix}:batch:{batch}" + (f":{part}" if part else "")

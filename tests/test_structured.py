@@ -152,6 +152,53 @@ def test_templates_builtin_registered_and_unknown(client: Client, tmp_path: Path
     assert sub.returncode == 3 and b"unknown template 'nope'" in sub.stderr
 
 
+def test_a_template_is_its_tenants_unless_shared(client: Client, tmp_path: Path) -> None:
+    from .conftest import make_settings
+
+    def template(name: str, secret: str) -> Path:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({
+            "name": name, "instruction": "Name the code word.",
+            "json_schema": {"type": "object", "properties": {"word": {"type": "string"}},
+                            "required": ["word"]},
+            "examples": [{"text": f"The code word is {secret}.", "output": {"word": secret}}],
+        }))  # fmt: skip
+        return path
+
+    own, common = f"own-{RUN}", f"common-{RUN}"
+    # Given a template tenant a registers, its example holding a's data, and a shared one
+    assert (
+        run_cli("--tenant", "tpl-a", "templates", "add", str(template(own, "ORCHID"))).returncode
+        == 0
+    )
+    added = run_cli("templates", "add", "--shared", str(template(common, "TULIP")))
+    assert added.returncode == 0 and b"every tenant" in added.stderr, added.stderr
+
+    def run(tenant: str, name: str) -> JobResult:
+        c = Client(make_settings(client.settings.queue, tenant=tenant))
+        job = {"id": "t", "type": "extract", "text": "The code word is ROSE.", "template": name,
+               "max_tokens": 24}  # fmt: skip
+        return next(c.submit_many([job]).results(timeout=300))
+
+    # When tenant b names a's template, Then b's submit refuses it as unknown, and a job that
+    # reaches a worker anyway fails there as unknown_template: b never sees a's example
+    b = Client(make_settings(client.settings.queue, tenant="tpl-b"))
+    with pytest.raises(ValueError, match="unknown template"):
+        b.submit_many([{"type": "extract", "text": "x", "template": own}])
+    listed = run_cli("--tenant", "tpl-b", "templates", "list", "--json").stdout.decode()
+    names = {json.loads(x)["name"]: json.loads(x)["origin"] for x in listed.splitlines()}
+    assert own not in names and names[common] == "shared"
+    from schemas import Envelope
+
+    job = ExtractJob.model_validate({"id": "t", "type": "extract", "text": "x", "template": own})
+    forged = Envelope(job=job, batch=f"forged-{RUN}", enqueued_at=0.0, tenant="tpl-b")
+    stolen = next(b.submit_many([forged], batch=f"forged-{RUN}").results(timeout=300))
+    assert stolen.error is not None and stolen.error.type == "unknown_template"
+    # while a's own job and both tenants' shared ones run with the template
+    assert run("tpl-a", own).status == "completed"
+    assert run("tpl-b", common).status == "completed"
+
+
 BAD_SCHEMAS = {
     "invalid": ({"type": "strng"}, "is not a valid JSON Schema"),
     "huge": ({"type": "object", "properties": {f"f{i}": {"type": "string", "description": "x" * 60}

@@ -84,7 +84,7 @@ def run_job(
             job, result.input_chars_cleaned = clean_job(job)
         examples: list[Any] = []
         if isinstance(job, ExtractJob):
-            job, examples = apply_template(job, templates)
+            job, examples = apply_template(job, templates, env.tenant)
         schema = _schema_of(job)
         grammar = generation_schema(schema) if schema is not None else None
         if grammar is not None and _grammar_checked(engine, settings):

@@ -217,22 +217,25 @@ class GrammarCheck:
 
 # -- templates --------------------------------------------------------------------------------
 class Templates:
-    """Template lookup for the worker: built-ins, then those registered in Redis (re-read at
-    most every ``ttl_s``, so a newly registered one reaches running workers quickly)."""
+    """Template lookup for the worker: built-ins, then those registered in Redis for the job's
+    tenant or shared (re-read at most every ``ttl_s``, so a newly registered one reaches running
+    workers quickly)."""
 
-    def __init__(self, load: Callable[[str], Template | None], ttl_s: float = 10.0) -> None:
+    def __init__(
+        self, load: Callable[[str, str | None], Template | None], ttl_s: float = 10.0
+    ) -> None:
         self._load = load
         self._ttl_s = ttl_s
-        self._cache: dict[str, tuple[float, Template | None]] = {}
+        self._cache: dict[tuple[str, str | None], tuple[float, Template | None]] = {}
 
-    def get(self, name: str) -> Template | None:
+    def get(self, name: str, tenant: str | None = None) -> Template | None:
         if name in BUILTIN:
             return BUILTIN[name]
-        hit = self._cache.get(name)
+        hit = self._cache.get((name, tenant))
         if hit is not None and time.monotonic() - hit[0] < self._ttl_s:
             return hit[1]
         try:
-            template = self._load(name)
+            template = self._load(name, tenant)
         except ValidationError as exc:  # stored by an older vqueue, or edited by hand
             raise SchemaRefused(
                 "unknown_template",
@@ -240,16 +243,19 @@ class Templates:
                 f"({exc.error_count()} problem(s), first: {exc.errors()[0]['msg']}); "
                 "register it again with `vqueue templates add`",
             ) from None
-        self._cache[name] = (time.monotonic(), template)
+        self._cache[(name, tenant)] = (time.monotonic(), template)
         return template
 
 
-def apply_template(job: ExtractJob, templates: Templates | None) -> tuple[ExtractJob, list[Any]]:
+def apply_template(
+    job: ExtractJob, templates: Templates | None, tenant: str | None = None
+) -> tuple[ExtractJob, list[Any]]:
     """The job with its template's instruction and schema standing in for missing ones, and the
-    template's worked examples (none without a template)."""
+    template's worked examples (none without a template); ``tenant``: the job's, whose own
+    templates and the shared ones it may name."""
     if job.template is None:
         return job, []
-    template = templates.get(job.template) if templates else BUILTIN.get(job.template)
+    template = templates.get(job.template, tenant) if templates else BUILTIN.get(job.template)
     if template is None:
         raise SchemaRefused(
             "unknown_template",

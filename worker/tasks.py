@@ -70,7 +70,7 @@ def templates() -> Any:
     if _templates is None:
         from .structured import Templates
 
-        _templates = Templates(lambda name: store().template(name))
+        _templates = Templates(lambda name, tenant: store().template(name, tenant))
     return _templates
 
 
