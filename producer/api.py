@@ -15,12 +15,14 @@ in Redis under the key prefix, file contents under ``VQUEUE_FILES_DIR``.
 """
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import json
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -236,6 +238,41 @@ class ApiStore:
     def active(self) -> list[str]:
         return list(self.r.smembers(f"{self.p}:active"))
 
+    def feeding(self, bid: str) -> bool:
+        """Whether some server process holds the batch's feed (``feed``)."""
+        return bool(self.r.exists(f"{self.p}:feed:{bid}"))
+
+    @contextlib.contextmanager
+    def feed(self, bid: str, ttl_s: float = 30.0) -> Iterator[threading.Event | None]:
+        """The right to check and submit the batch's input, held by one server process at a
+        time: None when another holds it. A thread renews it while held, so it lapses only when
+        its process dies, and another process's sweep (``Batches.advance``) resumes the feed.
+        The event is set when the batch is gone from Redis (deleted, FLUSHALL): stop then."""
+        key, token = f"{self.p}:feed:{bid}", secrets.token_hex(8)
+        if not self.r.set(key, token, nx=True, px=int(ttl_s * 1000)):
+            yield None
+            return
+        gone, done = threading.Event(), threading.Event()
+
+        def renew() -> None:
+            while not done.wait(ttl_s / 3):
+                try:
+                    if not self.r.exists(f"{self.p}:batch:{bid}") or self.r.get(key) != token:
+                        gone.set()
+                        return
+                    self.r.pexpire(key, int(ttl_s * 1000))
+                except redis.RedisError:  # away for a moment: the lease has ttl_s to spare
+                    continue
+
+        threading.Thread(target=renew, name=f"vqueue-feed-{bid[-8:]}", daemon=True).start()
+        try:
+            yield gone
+        finally:
+            done.set()
+            with contextlib.suppress(redis.RedisError):
+                if self.r.get(key) == token:
+                    self.r.delete(key)
+
     @contextlib.contextmanager
     def lock(self, bid: str, ttl_s: int = 300) -> Iterator[bool]:
         """One server process moves a batch at a time (several may serve one Redis)."""
@@ -253,12 +290,68 @@ class TooLarge(ValueError):
     pass
 
 
+class Gone(Exception):
+    """The batch left Redis while its input was being submitted (deleted, FLUSHALL)."""
+
+
+class Feeder:
+    """Runs ``Batches.submit`` on a few threads, fairly: each tenant's batches wait in a line of
+    their own, the threads serve the lines in turn, and one tenant runs at most ``per_tenant``
+    at once, so a tenant's many big batches never keep another's one-line batch validating."""
+
+    def __init__(self, run: Any, threads: int = 8, per_tenant: int = 2) -> None:
+        self._run, self.per_tenant = run, per_tenant
+        self._cond = threading.Condition()
+        self._lines: dict[str, collections.deque[str]] = {}
+        self._running: collections.Counter[str] = collections.Counter()
+        self._known: set[str] = set()  # waiting or running here
+        for i in range(threads):
+            threading.Thread(target=self._work, name=f"vqueue-feeder-{i}", daemon=True).start()
+
+    def feed(self, tenant: str, bid: str) -> None:
+        """Queue the batch, unless it is waiting or running in this process already."""
+        with self._cond:
+            if bid in self._known:
+                return
+            self._known.add(bid)
+            self._lines.setdefault(tenant, collections.deque()).append(bid)
+            self._cond.notify()
+
+    def _next(self) -> tuple[str, str] | None:
+        for tenant in list(self._lines):  # the first tenant served goes to the back after
+            if self._running[tenant] < self.per_tenant:
+                line = self._lines.pop(tenant)
+                bid = line.popleft()
+                if line:
+                    self._lines[tenant] = line
+                return tenant, bid
+        return None
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while (turn := self._next()) is None:
+                    self._cond.wait()
+                tenant, bid = turn
+                self._running[tenant] += 1
+            try:
+                self._run(tenant, bid)
+            except Exception:  # submit fails its batch itself; this is a bug of ours
+                log.exception("batch %s: feeding failed", bid)
+            finally:
+                with self._cond:
+                    self._running[tenant] -= 1
+                    self._known.discard(bid)
+                    self._cond.notify_all()
+
+
 class Batches:
     """What moves a batch through its states; every method is safe to call again."""
 
     def __init__(self, store: ApiStore) -> None:
         self.store = store
         self.settings = store.settings
+        self.feeder = Feeder(self.submit)
 
     def create(self, tenant: str, req: BatchCreate) -> BatchObject:
         now = int(time.time())
@@ -289,7 +382,11 @@ class Batches:
 
         as_tenant = grammar_check.tenant.set(tenant)
         try:
-            self._submit(tenant, bid)
+            with self.store.feed(bid, self.settings.api_feed_lease_s) as gone:
+                if gone is not None:  # else another server process feeds it
+                    self._submit(tenant, bid, gone)
+        except Gone:
+            log.warning("batch %s left Redis while it was fed; its feed stopped", bid)
         except Exception as exc:  # the file gone from disk, Redis away, a bug of ours
             if isinstance(exc, FileNotFoundError):
                 error = BatchError(code="file_not_found", message="the input file was deleted")
@@ -304,17 +401,25 @@ class Batches:
         finally:
             grammar_check.tenant.reset(as_tenant)
 
-    def _submit(self, tenant: str, bid: str) -> None:
+    def _submit(self, tenant: str, bid: str, gone: threading.Event) -> None:
+        """Check the input, then send it; or, for a batch whose feed died with its process
+        (``in_progress``, not sealed), send the rest from where that feed stopped."""
         found = self.store.batch(tenant, bid)
-        if found is None or found[1].status != "validating":
+        if found is None:
             return
         b = found[1]
+        if b.status != "validating" and not self._unfed(b):
+            return
         # held open from here: a delete of the file cannot take it from under the batch
         with open(self.store.path(b.input_file_id), "rb") as fh:
-            self._check_and_send(tenant, b, fh)
+            self._check_and_send(tenant, b, fh, gone)
 
-    def _check_and_send(self, tenant: str, b: BatchObject, fh: Any) -> None:
-        from .client import Client, SubmissionStopped
+    def _unfed(self, b: BatchObject) -> bool:
+        """In progress, but its input not all submitted (the batch store has not sealed it)."""
+        return b.status == "in_progress" and not self.store.batches.is_sealed(b.id)
+
+    def _check_and_send(self, tenant: str, b: BatchObject, fh: Any, gone: threading.Event) -> None:
+        from .client import Client
 
         bid, s = b.id, self.settings
         client = Client(s, tenant=tenant, on_limit="wait")
@@ -341,6 +446,9 @@ class Batches:
                     errors.append(BatchError(code="invalid_request", message=message, line=p.line))
             total += 1
         now = int(time.time())
+        if b.status == "in_progress":  # a feed resumed: checked and counted before
+            self._send(client, b, fh, gone, self.store.batches.fed_position(bid))
+            return
         if bad or not total:
             if not total:
                 errors.append(BatchError(code="empty_file", message="the input file has no lines"))
@@ -356,13 +464,6 @@ class Batches:
                          request_counts=RequestCounts(total=total))  # fmt: skip
             return
 
-        def envelopes() -> Iterator[Envelope]:
-            for p in self._lines(fh):
-                yield Envelope(
-                    job=p.job, batch=bid, format=p.format, model=p.model,
-                    enqueued_at=time.time(), tenant=tenant,
-                )  # fmt: skip
-
         # the batch exists in the store before it is in_progress, so a cancel from now on
         # reaches its jobs
         client.store.create(bid, "vqueue", b.input_file_id, queue=self.settings.queue)
@@ -374,14 +475,36 @@ class Batches:
             self._update(tenant, bid, status="cancelled", cancelled_at=int(time.time()),
                          request_counts=RequestCounts(total=total))  # fmt: skip
             return
+        self._send(client, b, fh, gone, 0)
+
+    def _send(self, client: Any, b: BatchObject, fh: Any, gone: threading.Event, skip: int) -> None:
+        """Submit the input's jobs after the first ``skip``, recording the position as it goes
+        (``Client.submit_many``'s ``position``), and seal the batch."""
+        from .client import SubmissionStopped
+
+        bid = b.id
+
+        def envelopes() -> Iterator[Envelope]:
+            for i, p in enumerate(self._lines(fh)):
+                if gone.is_set():
+                    raise Gone(bid)
+                if i >= skip:
+                    yield Envelope(
+                        job=p.job, batch=bid, format=p.format, model=p.model,
+                        enqueued_at=time.time(), tenant=client.settings.tenant,
+                    )  # fmt: skip
+
         try:
-            client.submit_many(envelopes(), batch=bid, source=b.input_file_id)
+            client.submit_many(envelopes(), batch=bid, source=b.input_file_id, position=skip)
         except SubmissionStopped as exc:  # Redis full or gone: what was sent still runs, and
             # the batch ends failed with the reason once it has (``advance``)
             log.error("batch %s: submission stopped: %s", bid, exc.reason)
-        except Exception as exc:  # a limit refused, a bug of ours: likewise
+        except Gone:
+            raise
+        except Exception:  # a limit refused, a bug of ours: likewise
             log.exception("batch %s: submission stopped", bid)
-            client.store.stop_submission(bid, f"{type(exc).__name__}: {exc}")
+            why = f"the server stopped submitting this batch; its log says why ({bid})"
+            client.store.stop_submission(bid, why)
 
     def _update(
         self, tenant: str, bid: str, unless: tuple[str, ...] = FINAL_STATES, **changes: Any
@@ -408,8 +531,10 @@ class Batches:
         if found is None:
             return None
         tenant, b = found
-        if b.status in FINAL_STATES or b.status == "validating":
+        if b.status in FINAL_STATES:
             return b
+        if b.status == "validating" or self._unfed(b):
+            return self._sweep(tenant, b)
         st = self.store.batches.status(bid)
         if st is None:  # the batch store expired it
             return self._update(tenant, bid, status="expired", expired_at=int(time.time()))
@@ -442,6 +567,19 @@ class Batches:
             changes.update(output_file_id=out, error_file_id=err, status=end)
             changes[f"{end}_at"] = done
             return self._update(tenant, bid, **changes)
+
+    def _sweep(self, tenant: str, b: BatchObject) -> BatchObject:
+        """A batch being checked or submitted: if no server process feeds it (its feeder died
+        with its process), feed it here; past its deadline unchecked, it expires."""
+        if self.store.feeding(b.id):
+            return b
+        if b.status == "validating" and b.expires_at and time.time() >= b.expires_at:
+            why = "the completion window ended before the batch's input was checked"
+            expired = BatchErrors(data=[BatchError(code="expired", message=why)])
+            now = int(time.time())
+            return self._update(tenant, b.id, status="expired", expired_at=now, errors=expired) or b
+        self.feeder.feed(tenant, b.id)
+        return b
 
     def _write_outputs(self, tenant: str, b: BatchObject) -> tuple[str | None, str | None]:
         """The results as OpenAI output lines: successes in one file, failures in another."""
@@ -667,8 +805,7 @@ def create_app(settings: Settings | None = None) -> Any:
             raise fail(429, f"this tenant has {open_batches} batches not ended, its quota",
                        "quota_exceeded")  # fmt: skip
         b = await run_in_threadpool(batches.create, who, req)
-        # the file is checked and submitted off the request: a big one takes a while
-        asyncio.get_running_loop().run_in_executor(None, batches.submit, who, b.id)
+        batches.feeder.feed(who, b.id)  # checked and submitted off the request, in turn
         return b
 
     @app.get("/v1/batches/{bid}", response_model=BatchObject)

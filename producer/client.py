@@ -263,6 +263,7 @@ class Client:
         seal: bool = True,
         on_progress: Callable[[int], None] | None = None,
         force: bool = False,
+        position: int | None = None,
     ) -> Batch:
         """Validate and enqueue ``jobs`` in pipelined chunks; returns once all are in Redis.
 
@@ -270,7 +271,9 @@ class Client:
         one, before anything of that chunk is sent). ``seal=False`` leaves the batch open for
         more ``submit_many`` calls with the same id; ``seal_batch`` closes it. An id that already
         has a result in the batch is skipped, unless ``force``: then its result is withdrawn and
-        it runs again.
+        it runs again. ``position``: how many of the input's jobs came before ``jobs``; given,
+        the batch records with each chunk how many are sent (``BatchStore.fed_position``), so a
+        feed whose process dies resumes where it stopped.
         """
         batch_id = batch or new_batch_id()
         self.store.create(batch_id, "vqueue", source, queue=self.settings.queue)
@@ -287,14 +290,16 @@ class Client:
                 chunk.append(env)
                 size += len(env.wire()) + 1024  # the envelope, and Celery's headers around it
                 if len(chunk) >= chunk_jobs or size >= PUBLISH_CHUNK_BYTES:
-                    skipped += self._publish(chunk, batch_id, force)
+                    fed = None if position is None else position + sent + len(chunk)
+                    skipped += self._publish(chunk, batch_id, force, fed)
                     sent += len(chunk)
                     if on_progress:
                         on_progress(len(chunk))
                     chunk, size = [], 0
                     chunk_jobs = min(2 * chunk_jobs, cap)
             if chunk:
-                skipped += self._publish(chunk, batch_id, force)
+                fed = None if position is None else position + sent + len(chunk)
+                skipped += self._publish(chunk, batch_id, force, fed)
                 sent += len(chunk)
                 if on_progress:
                     on_progress(len(chunk))
@@ -353,7 +358,9 @@ class Client:
         self._templates_seen.add(name)
         return True
 
-    def _publish(self, envelopes: list[Envelope], batch_id: str, force: bool = False) -> int:
+    def _publish(
+        self, envelopes: list[Envelope], batch_id: str, force: bool = False, fed: int | None = None
+    ) -> int:
         """Claim, then send, one chunk (a round trip each); returns how many were skipped
         because their id already has a result in this batch.
 
@@ -372,11 +379,13 @@ class Client:
         if self.broker is self.store.r:  # queues and batches in one Redis: one atomic step
             routed = self._route(envelopes)
             jobs = [(e.job.id, *task_message(e, queue)) for queue, group in routed for e in group]
-            flags = self.store.claim_send(batch_id, jobs)
+            flags = self.store.claim_send(batch_id, jobs, fed)
             return flags.count(-1)
         flags = self.store.claim(batch_id, [e.job.id for e in envelopes])
         todo = [e for e, f in zip(envelopes, flags, strict=True) if f >= 0]
         self._send(todo)
+        if fed is not None:  # after the send: a feed that dies between resends, never skips
+            self.store.r.hset(self.store.key(batch_id), "fed", fed)
         return len(envelopes) - len(todo)
 
     def _route(self, envelopes: list[Envelope]) -> list[tuple[str, list[Envelope]]]:

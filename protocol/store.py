@@ -71,14 +71,14 @@ redis.call('EXPIRE', KEYS[2], ARGV[1])
 return flags
 """
 
-# KEYS: batch hash, done hash, then the queue lists. ARGV: ttl, then per job: its id, the index
-# in KEYS of its list, its message. Claims each id as _CLAIM does and pushes the message of each
-# not yet done, in one step: Redis runs a script whole or, when out of memory (the ``#!lua``
-# line asks for that check up front), not at all, so a chunk is never counted without its
-# messages in the queue.
+# KEYS: batch hash, done hash, then the queue lists. ARGV: ttl, the feed's position after this
+# chunk ("" for none), then per job: its id, the index in KEYS of its list, its message. Claims
+# each id as _CLAIM does and pushes the message of each not yet done, in one step: Redis runs a
+# script whole or, when out of memory (the ``#!lua`` line asks for that check up front), not at
+# all, so a chunk is never counted without its messages in the queue, nor its position moved.
 _CLAIM_SEND = """#!lua
 local flags, new = {}, 0
-for i = 2, #ARGV, 3 do
+for i = 3, #ARGV, 3 do
   local id, flag = ARGV[i], -1
   if redis.call('HSETNX', KEYS[2], id, '') == 1 then
     new, flag = new + 1, 1
@@ -89,6 +89,7 @@ for i = 2, #ARGV, 3 do
   flags[#flags + 1] = flag
 end
 if new > 0 then redis.call('HINCRBY', KEYS[1], 'total', new) end
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'fed', ARGV[2]) end
 redis.call('EXPIRE', KEYS[2], ARGV[1])
 return flags
 """
@@ -310,17 +311,26 @@ class BatchStore:
         keys = [self.key(batch), self.key(batch, "done")]
         return [int(f) for f in self._claim(keys=keys, args=[self.ttl_s, *job_ids])]
 
-    def claim_send(self, batch: str, jobs: list[tuple[str, str, str]]) -> list[int]:
+    def claim_send(
+        self, batch: str, jobs: list[tuple[str, str, str]], fed: int | None = None
+    ) -> list[int]:
         """``claim`` and push in one step, where the queues live in this Redis: each of
         ``jobs`` is (job id, queue list, message); its message is pushed unless its id is done
-        (flag -1). All or nothing: ``redis.OutOfMemoryError`` means none was claimed or sent."""
+        (flag -1). ``fed``: how many of the input's jobs are sent once this chunk is, recorded
+        with it (``fed_position``). All or nothing: ``redis.OutOfMemoryError`` means none was
+        claimed or sent, and the position did not move."""
         lists = list(dict.fromkeys(key for _, key, _ in jobs))
         at = {key: i + 3 for i, key in enumerate(lists)}  # Lua counts KEYS from 1
-        args: list[Any] = [self.ttl_s]
+        args: list[Any] = [self.ttl_s, "" if fed is None else fed]
         for ident, key, message in jobs:
             args += [ident, at[key], message]
         keys = [self.key(batch), self.key(batch, "done"), *lists]
         return [int(f) for f in self._claim_send(keys=keys, args=args)]
+
+    def fed_position(self, batch: str) -> int:
+        """How many of the batch's input jobs a feed sent (``claim_send``'s ``fed``): a feed
+        that resumes after its process died starts there, so no job is sent twice."""
+        return int(self.r.hget(self.key(batch), "fed") or 0)
 
     def stop_submission(self, batch: str, reason: str, rejected: int = 0) -> None:
         """Seal a batch whose submission stopped early, saying why (``BatchStatus.error``):

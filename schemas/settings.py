@@ -252,6 +252,9 @@ class Settings(BaseSettings):
     files_dir: str = ""
     max_file_bytes: int = Field(default=2 * 1024**3, ge=1)  # an upload past this is refused
     api_poll_s: float = Field(default=1.0, gt=0)  # how often open batches are moved along
+    # one server process checks and submits a batch's input, holding a lease it renews; when
+    # that process dies, another resumes the feed this long after, from where it stopped
+    api_feed_lease_s: float = Field(default=30.0, ge=1)
     # each HTTP tenant's quotas: files kept and their bytes (uploads and outputs), batches not
     # yet ended, and jobs those batches have not finished. Past one, an upload or a batch is
     # refused (429 ``quota_exceeded``), or a batch that would pass the jobs' quota fails

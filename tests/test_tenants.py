@@ -11,6 +11,8 @@ does to the queue, not generation. The HTTP test runs a real ``vqueue serve``.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -473,3 +475,94 @@ def test_a_queue_name_that_could_reach_another_queue_is_refused(name: str) -> No
     stderr = proc.stderr.decode()
     assert proc.returncode == 2 and "VQUEUE_QUEUE" in stderr, stderr
     assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
+
+
+# --------------------------------------------------------------------- feeds that lose a server
+def _serve(procs: Procs, url: str, files: Path, **env: str) -> tuple[Any, str, Path]:
+    """A ``vqueue serve`` on Redis ``url``: (its process, its URL, its log)."""
+    port = free_port()
+    settings = worker_env(
+        "feed", VQUEUE_BROKER_URL=url, VQUEUE_FILES_DIR=str(files), VQUEUE_API_POLL_S="0.2",
+        VQUEUE_API_FEED_LEASE_S="3", **env,
+    )  # fmt: skip
+    log = files.parent / f"serve-{port}.log"
+    with open(log, "w") as out:
+        proc = procs.popen(
+            [sys.executable, "-m", "producer.cli", "serve", "--port", str(port)],
+            cwd=WORKDIR, env=settings, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _healthy(base), 60, "vqueue serve to answer /healthz")
+    return proc, base, log
+
+
+def _fed(r: redis.Redis, bid: str) -> int:
+    from .conftest import KEY_PREFIX
+
+    return int(r.hget(f"{KEY_PREFIX}:batch:{bid}", "fed") or 0)
+
+
+def test_a_feed_resumes_where_it_stopped_when_its_server_dies(procs: Procs, tmp_path: Path) -> None:
+    import openai
+
+    # Given a worker (fake engine), and a server feeding a 3,000-job batch 100 jobs ahead of it
+    server: RedisServer = procs.redis(tmp_path / "redis", aof=False)
+    r = redis.Redis.from_url(server.url, decode_responses=True)
+    procs.fake_worker("feed", server.url, delay=0.02, concurrency=16, queue="feed").wait_ready(r)
+    key = run_cli("keys", "create", "f", VQUEUE_BROKER_URL=server.url).stdout.decode().strip()
+    first, url, _ = _serve(procs, server.url, tmp_path / "files", VQUEUE_MAX_QUEUE_DEPTH="100")
+    sdk = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+    n = 3000
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(
+        json.dumps({"id": f"j{i:05d}", "type": "summarize", "text": f"doc {i}"}) + "\n"
+        for i in range(n)
+    ))  # fmt: skip
+    with open(path, "rb") as fh:
+        f = sdk.files.create(file=fh, purpose="batch")
+    bid = sdk.batches.create(input_file_id=f.id, endpoint="/v1/vqueue/jobs",
+                             completion_window="24h").id  # fmt: skip
+    # When the server is killed (-9) a few hundred jobs into the feed, and another started
+    wait_for(lambda: _fed(r, bid) >= 300, 120, "the feed to pass 300 jobs")
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(10)
+    stopped_at = _fed(r, bid)
+    assert stopped_at < n
+    _, url, _ = _serve(procs, server.url, tmp_path / "files", VQUEUE_MAX_QUEUE_DEPTH="100")
+    sdk = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+    # Then the new server resumes the feed after the lease lapses, from where it stopped: the
+    # batch completes, every job delivered once and answered once
+    done = wait_for(
+        lambda: (b := sdk.batches.retrieve(bid)).status in ("completed", "failed") and b,
+        300, "the resumed batch to end",
+    )  # fmt: skip
+    assert done.status == "completed" and done.request_counts.completed == n, done
+    assert _one_result_each(r, bid) == n
+    from .conftest import KEY_PREFIX
+
+    deliveries = Counter(r.hvals(f"{KEY_PREFIX}:batch:{bid}:attempts"))
+    assert deliveries == {"1": n}, deliveries
+
+
+def test_a_feed_stops_when_its_batch_leaves_redis(procs: Procs, tmp_path: Path) -> None:
+    import openai
+
+    # Given a server feeding a batch with no worker, so that it waits for room in the queue
+    # (its first chunk of 32 queued, the next 50 not admitted under a depth of 50)
+    server: RedisServer = procs.redis(tmp_path / "redis", aof=False)
+    r = redis.Redis.from_url(server.url, decode_responses=True)
+    key = run_cli("keys", "create", "f", VQUEUE_BROKER_URL=server.url).stdout.decode().strip()
+    _, url, log = _serve(procs, server.url, tmp_path / "files", VQUEUE_MAX_QUEUE_DEPTH="50")
+    sdk = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(json.dumps({"type": "summarize", "text": "x"}) + "\n"
+                            for _ in range(500)))  # fmt: skip
+    with open(path, "rb") as fh:
+        f = sdk.files.create(file=fh, purpose="batch")
+    sdk.batches.create(input_file_id=f.id, endpoint="/v1/vqueue/jobs", completion_window="24h")
+    wait_for(lambda: r.llen("feed:9") == 32, 60, "the feed's first chunk in the queue")
+    # When Redis is flushed under it, which also makes room in the queue
+    r.flushall()
+    # Then the feed sees its batch gone and stops, having queued at most the chunk it held
+    wait_for(lambda: "left Redis while it was fed" in log.read_text(), 30, "the feed to stop")
+    assert r.llen("feed:9") <= 50
