@@ -549,6 +549,8 @@ class Batches:
             self.store.batches.withdraw(bid, "expired")
         sealed = self.store.batches.is_sealed(bid)
         if not (sealed and st.done >= st.total):
+            if changes["request_counts"] == b.request_counts:
+                return b  # nothing new: no write (the loop visits every open batch each tick)
             return self._update(tenant, bid, **changes)
         with self.store.lock(bid) as mine:
             if not mine:

@@ -171,11 +171,15 @@ def serve(port: int, host: str = "0.0.0.0") -> str | None:
 
 
 class _EngineMetrics:
-    """vLLM's own ``vllm:*`` metrics, fetched from the frontend process at each scrape (vLLM
-    registers them where it runs; ``worker.frontend``)."""
+    """vLLM's own ``vllm:*`` metrics, fetched from the frontend process (vLLM registers them
+    where it runs; ``worker.frontend``) at most once every ``fresh_s``: rendering them takes
+    the frontend's loop, which serves the engine, and scrapes can come as often as anyone asks."""
 
-    def __init__(self, fetch: Callable[[], str | None]) -> None:
-        self.fetch = fetch
+    def __init__(self, fetch: Callable[[], str | None], fresh_s: float = 1.0) -> None:
+        self.fetch, self.fresh_s = fetch, fresh_s
+        self._text: str | None = None
+        self._at = float("-inf")
+        self._lock = threading.Lock()
 
     def describe(self) -> list[Any]:
         return []  # names unknown until vLLM is up; nothing of ours shares the vllm: prefix
@@ -183,7 +187,10 @@ class _EngineMetrics:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = self.fetch()
+        with self._lock:
+            if time.monotonic() - self._at >= self.fresh_s:
+                self._text, self._at = self.fetch(), time.monotonic()
+            text = self._text
         for family in text_string_to_metric_families(text or ""):
             if family.name.startswith("vllm:"):
                 yield family

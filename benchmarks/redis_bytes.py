@@ -1,0 +1,112 @@
+"""What a queued job and a stored result cost in Redis memory, beyond their own text.
+
+Starts a private ``redis-server``, submits N summarize jobs through ``Client.submit_many`` (the
+producer's real path: the batch hash, the done map, Celery's message in its list), reads
+``used_memory``, then takes the messages off their list as a worker would and records one
+result per job through ``BatchStore.record`` (the worker's real script: the results stream,
+the done map, the counters), and reads it again. Nothing else runs against that Redis.
+
+    python -m benchmarks.redis_bytes [--jobs 20000] [--text-chars 200] [--out FILE]
+
+Prints a table and writes JSON (benchmarks/results/redis-bytes-<date>.json by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from producer import Client
+from schemas import JobResult, Settings, Timings, Usage
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _used(r: redis.Redis) -> int:
+    return int(r.info("memory")["used_memory"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=20_000)
+    ap.add_argument("--text-chars", type=int, default=200)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="vq-redis-bytes-"))
+    port = _free_port()
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--save", "", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        r = redis.Redis.from_url(url)
+        for _ in range(100):
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        s = Settings(_env_file=None, broker_url=url, queue="bytes", prefix_routing=False)
+        client = Client(s)
+        text = "x" * a.text_chars
+        version = str(r.info("server")["redis_version"])
+        before = _used(r)
+        batch = client.submit_many(
+            {"id": f"j{i:07d}", "type": "summarize", "text": text} for i in range(a.jobs)
+        )
+        queued = _used(r)
+        while r.rpop("bytes:9") is not None:  # taken by workers
+            pass
+        taken = _used(r)
+        for i in range(a.jobs):
+            client.store.record(
+                JobResult(
+                    id=f"j{i:07d}", batch=batch.id, type="summarize", status="completed",
+                    text=text, timings=Timings(enqueued_at=time.time(), finished_at=time.time()),
+                    usage=Usage(prompt_tokens=60, completion_tokens=50), worker="w@host",
+                    finish_reason="stop",
+                )
+            )  # fmt: skip
+        recorded = _used(r)
+    finally:
+        server.kill()
+        server.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+    per_job = (queued - before) / a.jobs
+    per_result = (recorded - taken) / a.jobs
+    rows = {
+        "jobs": a.jobs,
+        "text_chars": a.text_chars,
+        "queued_job_bytes": round(per_job),
+        "queued_job_bytes_beyond_text": round(per_job - a.text_chars),
+        "result_bytes": round(per_result),
+        "result_bytes_beyond_text": round(per_result - a.text_chars),
+        "left_after_taking_bytes_per_job": round((taken - before) / a.jobs),
+        "redis_version": version,
+        "command": f"python -m benchmarks.redis_bytes --jobs {a.jobs} --text-chars {a.text_chars}",
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    print(f"{'what':<40} {'bytes':>8}")
+    for k in ("queued_job_bytes", "queued_job_bytes_beyond_text", "left_after_taking_bytes_per_job",
+              "result_bytes", "result_bytes_beyond_text"):  # fmt: skip
+        print(f"{k:<40} {rows[k]:>8}")
+    out = a.out or Path(__file__).parent / "results" / time.strftime("redis-bytes-%Y-%m-%d.json")
+    out.write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
