@@ -111,9 +111,9 @@ class Settings(BaseSettings):
     concurrency: int = 0
     # Celery processes that take jobs in for the worker's one engine, each with its share of
     # the concurrency and its own consumer, tokenizer and task threads (worker/app.py: a Celery
-    # consumer takes one message per Redis round trip, a few hundred a second, fewer than an
-    # H200 starts short jobs). 0: 1 on a CPU host; with a GPU, half the CPU cores there are per
-    # engine, from 2 to 8 (8 on a 16-core host with one H200: docs/benchmarks.md).
+    # consumer takes one message per Redis round trip, fewer a second than a large GPU starts
+    # short jobs). 0: 1 on a CPU host; with a GPU, half the CPU cores there are per engine,
+    # from 2 to 8 (docs/benchmarks.md)
     intake_processes: int = Field(default=0, ge=0, le=32)
     # jobs at this priority or above are urgent: they wait in <queue>.urgent, which every intake
     # process takes from beside its other queues, and a worker's urgent intake alone, with
@@ -137,12 +137,12 @@ class Settings(BaseSettings):
     # 0.0.0.0 where the scraper is on another host or container (docker-compose.yml)
     metrics_host: str = "127.0.0.1"
     # Celery task events (received, started, succeeded) from the start. Off, a monitor turns
-    # them on when it watches (Flower does every 5 s): each job's three events were 29% of a
-    # consumer thread's time on the H200 (docs/benchmarks.md).
+    # them on when it watches (Flower does every 5 s): each job's three events cost a large
+    # share of a busy consumer thread (docs/benchmarks.md).
     task_events: bool = False
 
     # how often Python hands the GIL between the worker's threads (worker/app.py); Python's own
-    # 5 ms makes every Redis round trip wait behind vLLM's frontend loop
+    # 5 ms makes every Redis round trip wait behind whichever thread computes
     gil_switch_ms: float = Field(default=0.25, gt=0, le=100)
     # task threads that may tokenize at once; 0: a quarter of the cores, 2 to 8 (prompts.py:
     # unbounded, hundreds of threads tokenizing long documents starve vLLM's own processes)

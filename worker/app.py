@@ -45,9 +45,9 @@ def guard_closed_channels() -> None:
     channel forgets its transport (``channel.connection = None``) and its pools. Anything that
     still asks it for a client afterwards (a task acknowledging its job, the consumer tearing
     down for its reconnect) makes it build a new pool from ``self.connection.client`` and raise
-    ``AttributeError``. Celery counts AttributeError as unrecoverable: the worker exited mid-batch
-    (a clean-clone CI run of ``test_redis_restart_mid_batch``). Here a closed channel raises
-    redis' ``ConnectionError`` instead, which kombu lists among its connection errors: Celery
+    ``AttributeError``. Celery counts AttributeError as unrecoverable, and the worker would exit
+    mid-batch (``test_redis_restart_mid_batch`` restarts Redis under one). Here a closed channel
+    raises redis' ``ConnectionError`` instead, which kombu lists among its connection errors: Celery
     reconnects, a failed acknowledgement is logged and the job comes back after the visibility
     timeout (its stored result makes that a lookup). Restoring a closed channel's unacked jobs
     is skipped for the same reason; they stay in kombu's unacked set for that scan.
@@ -118,8 +118,7 @@ def reuse_broker_clients() -> None:
     kombu's Redis channel builds a ``redis.Redis`` around its pool for every command it sends
     outside the consumer's own connection: recording each job as unacknowledged, acknowledging
     it, publishing each task event. ``Redis.__init__`` fills a dict of ~200 response callbacks
-    each time. On the H200, with short jobs, building them took 18% of an intake process's
-    consumer thread (benchmarks/gpu_intake.py's profile, docs/benchmarks.md). A client is a
+    each time, a visible share of a busy consumer thread (docs/benchmarks.md). A client is a
     thin, thread-safe wrapper around its pool, so the channel keeps the one it built while its
     pool stays the same; a reconnect makes a new pool, and with it a new client.
 
@@ -157,8 +156,8 @@ class Limbo:
 
     kombu's Redis transport pops a job (``BRPOP``) and then, in a second command, records it in
     the unacknowledged set; when Redis goes away between the two, the second raises, the job
-    never reaches Celery, and Redis holds it nowhere: no visibility timeout brings it back (a
-    clean-clone CI run lost one of 200 that way on a Redis restart). Here the failed record
+    never reaches Celery, and Redis holds it nowhere: no visibility timeout brings it back
+    (``test_twenty_redis_restarts`` meets this). Here the failed record
     keeps the message, and a thread pushes it back to the head of its list once Redis answers.
     Should the record have landed after all (the reply lost, not the command), the job is
     queued twice, which costs a lookup: results are recorded once. Only a worker killed between
@@ -262,7 +261,7 @@ def create_app(settings: Settings | None = None) -> Celery:
 
 settings = get_settings()
 if settings.frontend:  # an intake process ends with the worker that started it, watched from
-    # import on: that worker can die while this process is still starting (a CI run saw one live on)
+    # import on: that worker can die while this process is still starting
     from .vllm_ext.plugin import watch_owner
 
     watch_owner(settings.intake_owner or os.getppid())
@@ -287,8 +286,9 @@ class Intakes:
     frontend's socket.
 
     - ``count - 1`` more like this one: they consume this one's routed queue, the shared one
-      and the urgent one. One Celery consumer takes in about 250 jobs a second, fewer than an
-      H200 finishes short jobs; several, feeding one engine, do not share a GIL.
+      and the urgent one. One Celery consumer takes in one job per Redis round trip, fewer a
+      second than a large GPU finishes short jobs; several, feeding one engine, do not share a
+      GIL.
     - The urgent one (``urgent`` slots, 0 for none) consumes the urgent queue alone. A Celery
       consumer whose slots are all taken asks Redis for nothing, whatever waits there; with
       bulk jobs filling every other process's share, this one still takes an urgent job at
@@ -396,11 +396,10 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
     from .engine import ConfigError
 
     state.metrics_url = metrics.serve(settings.metrics_port, settings.metrics_host)
-    # One interpreter holds Celery's consumer, the task threads and vLLM's frontend loop, and
-    # each Redis reply waits for the GIL. Python hands the GIL to a waiting thread only every
-    # switch interval (5 ms), so while the engine's loop computes, every round trip costs up to
-    # 5 ms: a convoy. Beside a CPU-bound thread a stub worker took in 26 jobs/s at 5 ms and 224
-    # at 0.25 ms (benchmarks/gil_switch.py); on the H200, 8K summaries went from 54% to 106%.
+    # One interpreter holds Celery's consumer, the task threads and the tokenizer, and each
+    # Redis reply waits for the GIL. Python hands the GIL to a waiting thread only every switch
+    # interval (5 ms by default), so while another thread computes, every round trip costs up
+    # to that: a convoy. A shorter interval keeps the consumer moving (benchmarks/gil_switch.py).
     sys.setswitchinterval(settings.gil_switch_ms / 1000)
     warn_if_redis_may_evict(_store().r, "the result store")
     if settings.broker_url != settings.backend_url():

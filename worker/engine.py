@@ -119,8 +119,8 @@ class EngineHost:
         self.prompts = PromptTokenizer(self.tokenizer, self._nonce, settings.tokenizer_threads)
         # Whether requests leave their text to this process (``detokenize=False``). vLLM's
         # frontend otherwise detokenizes every running request at every engine step, on the one
-        # loop that also takes every new request in: on the H200's prefix batch that was 0.85
-        # of the loop's 2.30 CPU-s, while the worker's intake processes sat mostly idle.
+        # loop that also takes every new request in, while the worker's intake processes have
+        # CPU to spare (docs/benchmarks.md: a third of that loop's time on short jobs).
         self.decodes_outputs = self.prompts.decodes_outputs
         # logprob early stop: the monitor in the engine reports to this board (worker/confidence)
         in_engine = self.plan is not None and self.plan.monitor in IN_ENGINE_MONITOR
@@ -386,8 +386,8 @@ def device_max_num_seqs() -> int:
     for this device (``EngineArgs`` with ``UsageContext.LLM_CLASS``, the same table in vLLM 0.26
     and 0.32): 1024 on GPUs of 70 GiB or more other than the A100, 256 on the rest and on CPUs.
     A bare engine would get the same; it is resolved here because the worker's threads pool
-    (``2 x max_num_seqs``) is sized before the engine exists. On a 0.5B model on an H200 a step
-    is bound by the host, so four times the sequences per step is most of the offline speed."""
+    (``2 x max_num_seqs``) is sized before the engine exists. A small model's step on a large
+    GPU is bound by the host, so more sequences per step is most of the offline speed."""
     if not os.path.exists("/dev/nvidiactl"):  # no NVIDIA driver: not worth importing torch
         return 256
     try:

@@ -1,15 +1,15 @@
 """vLLM's frontend in a process of its own, apart from Celery.
 
-A worker's Celery consumer, its task threads and vLLM's frontend (``AsyncLLM``: its loop takes
-requests in and turns every engine step's output into results) used to share one interpreter,
-so one GIL. On short jobs that loop is never idle, and every job's queue work (the Celery
-message, the envelope, the prompt, the result written to Redis: about 1.7 ms of Python) was
-time taken from it. On the H200 short 0.5B jobs ran at 78-88% of raw vLLM, vLLM's scheduler
-showed free slots while jobs waited in Redis, and an urgent job waited seconds behind bulk ones
-before it reached vLLM's scheduler. ``vllm serve`` keeps its API server apart from the engine
-core for the same reason; here the frontend loop runs alone in a process of its own, and the
-worker keeps the queue work, the tokenizer and the per-job logic. What crosses is token ids and
-sampling parameters one way, and each request's text, counts and timings the other.
+vLLM's frontend (``AsyncLLM``) runs one loop that takes requests in and turns every engine
+step's output into results; on short jobs it is never idle. Sharing an interpreter (one GIL)
+with a worker's Celery consumer and task threads, every job's queue work (the Celery message,
+the envelope, the prompt, the result written to Redis) is time taken from that loop, the engine
+waits with free slots while jobs wait in Redis, and an urgent job waits behind bulk ones before
+vLLM's scheduler sees it (docs/benchmarks.md has the measurements). ``vllm serve`` keeps its
+API server apart from the engine core for the same reason; here the frontend loop runs alone in
+a process of its own, and the worker keeps the queue work, the tokenizer and the per-job logic.
+What crosses is token ids and sampling parameters one way, and each request's text, counts and
+timings the other.
 
 The wire is one duplex ``multiprocessing`` pipe of pickled tuples:
 
@@ -512,8 +512,7 @@ class Frontend:
                     log.warning("an intake connection failed: %s", exc)
                     continue
                 # each in a thread of its own: sending the tokenizer blocks until that process
-                # reads it, and one still starting must not hold up the others (on the H200
-                # eight connected one after another, 15 s apart)
+                # reads it, and one still importing must not hold up the others' connections
                 name = f"vqueue-intake-{n}"
                 threading.Thread(
                     target=self._serve_intake, args=(conn, name, ready), name=name, daemon=True

@@ -369,10 +369,10 @@ class PriorityGate:
     """A semaphore whose waiters go in by priority (higher first), then in arrival order.
 
     A worker holds twice ``max_num_seqs`` jobs, and on a busy GPU most of them wait here for a
-    turn at the tokenizer. Python's semaphore wakes waiters first come, first served, so an
-    interactive job fetched behind a bulk batch waited for the ~1,500 bulk jobs ahead of it
-    (TTFT p50 4.9 s on the H200 with a 5,000-job batch): vLLM's priority scheduling never saw it
-    until they had all gone in. A freed slot is handed straight to the waiter it wakes."""
+    turn at the tokenizer. Python's semaphore wakes waiters first come, first served: an
+    interactive job fetched behind a bulk batch would wait for every bulk job ahead of it, and
+    vLLM's priority scheduling would not see it until they had all gone in. A freed slot is
+    handed straight to the waiter it wakes."""
 
     def __init__(self, slots: int) -> None:
         self._free = slots

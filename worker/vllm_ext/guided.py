@@ -71,12 +71,12 @@ def install_grammar_reuse(groups: int = 0) -> None:
     """Compile each distinct grammar a few times per vLLM process instead of once per request
     (from the vLLM plugin in ``worker.engine``). Measured in docs/benchmarks.md.
 
-    vLLM's guidance backend builds a new ``LLMatcher`` for every guided request (1.7 ms on a 2-core
-    CPU host for the benchmark's schemas) and its frontend validates the grammar again for every
-    request (1.1 ms). Both hold the GIL all along, so in the engine process the compile thread
-    stalls the engine loop whenever that loop lets go of the GIL. Here requests get
-    ``deep_copy()`` of a kept matcher instead (7 us), and a grammar the frontend has validated
-    once is not validated again. Matchers that come out in error are never kept.
+    vLLM's guidance backend builds a new ``LLMatcher`` for every guided request and its frontend
+    validates the grammar again for every request, each taking milliseconds with the GIL held,
+    so in the engine process the compile thread stalls the engine loop whenever that loop lets
+    go of the GIL. Here requests get ``deep_copy()`` of a kept matcher instead (microseconds),
+    and a grammar the frontend has validated once is not validated again. Matchers that come
+    out in error are never kept.
 
     llguidance's ``deep_copy`` gives the copy its own parser state but shares the original's
     lexer and its cache behind one lock, and the mask fill holds that lock: copies of one
@@ -179,9 +179,9 @@ def _validated_once(stock: Callable[..., Any], key_of: Callable[[Any], Any],
 
 
 def grammar_threads() -> int:
-    """The default thread count for the masks: half the cores this process may use, at most 8.
-    On the H200 host (16 cores) 12 threads were no better than 8 (docs/benchmarks.md): the
-    engine's own loop, its output thread and the frontend need cores too."""
+    """The default thread count for the masks: half the cores this process may use, at most 8:
+    the engine's own loop, its output thread and the frontend need cores too, and more threads
+    bought nothing measurable (docs/benchmarks.md)."""
     return max(1, min(8, usable_cores() // 2))
 
 

@@ -416,8 +416,8 @@ if V2LogitsProcessor is not None:
 def install_v2_hook() -> None:
     """vLLM 0.26 only (``compat``: monitor-v2-hook; the plugin installs it only where the
     sampler's source is 0.26's): 0.26's Model Runner V2 has no interface for a custom logits
-    processor, and naming one in ``logits_processors`` sends the engine to the V1 runner, 14%
-    slower on the H200 (docs/benchmarks.md). So the monitor is called from V2's sampler, on
+    processor, and naming one in ``logits_processors`` sends the engine to the slower V1 runner
+    (docs/benchmarks.md). So the monitor is called from V2's sampler, on
     the logits after the grammar mask and before penalties and temperature."""
     from vllm.v1.worker.gpu.sample import sampler
 
