@@ -4,7 +4,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 REDIS   ?= redis://127.0.0.1:6379/0
 
-.PHONY: setup redis model demo test lint clean
+.PHONY: setup redis model demo test test-fast lint clean
 
 setup: $(STAMP) redis model
 
@@ -31,6 +31,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest
+
+# the unit layer alone: no Redis, no model, no worker (tests marked `unit`)
+test-fast: $(STAMP)
+	$(PY) -m pytest -m unit -q
 
 lint: $(STAMP)
 	.venv/bin/ruff check schemas protocol producer worker tests benchmarks

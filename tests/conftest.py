@@ -352,6 +352,14 @@ def run_cli(
     )
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test in one layer: marked ``unit`` or ``engine`` where it says so, else
+    ``integration`` (a Redis, worker processes or the CLI)."""
+    for item in items:
+        if not any(item.get_closest_marker(m) for m in ("unit", "engine")):
+            item.add_marker(pytest.mark.integration)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop this session's Redis; in CI, a run that skipped anything is not a pass."""
     if _SESSION_REDIS is not None:

@@ -564,6 +564,7 @@ def test_a_redis_that_may_evict_is_reported(procs: Procs, tmp_path: Path) -> Non
     assert "maxmemory-policy=allkeys-lru" in log and "noeviction" in log
 
 
+@pytest.mark.unit
 def test_the_job_timeout_covers_the_json_retry() -> None:
     # Given an engine whose every generation is cut off at max_tokens after 0.8 s (a stand-in
     # for the engine: what is tested is the runner's one deadline per job, not generation)
@@ -783,6 +784,7 @@ INJECTION = (
 )
 
 
+@pytest.mark.unit
 def test_an_output_with_a_huge_integer_is_invalid_json_not_a_crash() -> None:
     # Python's json refuses integers over 4,300 digits with a plain ValueError, which escaped
     # the worker's JSON check and lost the job

@@ -22,6 +22,8 @@ from schemas import (
 
 jobs = TypeAdapter(Job)
 
+pytestmark = pytest.mark.unit
+
 
 def line(obj: object) -> bytes:
     return json.dumps(obj).encode()

@@ -51,6 +51,7 @@ def _slow(i: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------- the schema checks
+@pytest.mark.unit
 def test_a_schema_asking_for_a_billion_items_is_refused_without_compiling() -> None:
     # Given the line that took the API server down: maxItems 1e9
     schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 1_000_000_000}
@@ -62,6 +63,7 @@ def test_a_schema_asking_for_a_billion_items_is_refused_without_compiling() -> N
             ExtractJob(type="extract", text="x", json_schema={"type": "string", word: 40000})
 
 
+@pytest.mark.unit
 def test_a_schema_whose_grammar_needs_more_memory_than_allowed_is_refused() -> None:
     # Given checks limited to 150 MiB each
     checker = Checker(Limits(memory_bytes=150 << 20))
@@ -80,6 +82,7 @@ def test_a_schema_whose_grammar_needs_more_memory_than_allowed_is_refused() -> N
         checker.close()
 
 
+@pytest.mark.unit
 def test_a_check_past_its_time_is_killed_and_not_remembered() -> None:
     # Given a time limit no check can meet
     checker = Checker(Limits(timeout_s=1e-4))
@@ -95,6 +98,7 @@ def test_a_check_past_its_time_is_killed_and_not_remembered() -> None:
         checker.close()
 
 
+@pytest.mark.unit
 def test_one_tenant_flooding_the_checks_leaves_the_others_a_child() -> None:
     # Given two children, one tenant holding at most one, and that tenant's six slow schemas
     checker = Checker(Limits(children=2, per_tenant=1))
