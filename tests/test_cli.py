@@ -1,0 +1,123 @@
+"""README's command-line promises, each through the real ``vqueue`` command against a Redis of
+this module's own and one real worker process on the FAKE engine (``tests/fake_engine.py``):
+what is under test is the command's behaviour, output and exit code, not generation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from protocol.exits import RET_NOT_FOUND, RET_TIMEOUT
+
+from .conftest import Procs, RedisServer, WorkerProc, run_cli
+
+Q = "cli"
+
+
+class Cli:
+    def __init__(self, url: str, worker: WorkerProc) -> None:
+        self.url, self.worker = url, worker
+
+    def __call__(self, *args: str, queue: str = Q, **env: str) -> Any:
+        """``vqueue ARGS`` on this module's Redis: its ``subprocess.CompletedProcess``."""
+        return run_cli(*args, queue=queue, timeout=300, VQUEUE_BROKER_URL=self.url, **env)
+
+
+@pytest.fixture(scope="module")
+def cli(module_procs: Procs, tmp_path_factory: pytest.TempPathFactory) -> Cli:
+    server: RedisServer = module_procs.redis(tmp_path_factory.mktemp("cli") / "redis", aof=False)
+    w = module_procs.fake_worker("cli", server.url, delay=0.05, concurrency=8, queue=Q)
+    w.wait_ready(redis.Redis.from_url(server.url, decode_responses=True))
+    return Cli(server.url, w)
+
+
+def _jobs(path: Path, n: int, **extra: Any) -> Path:
+    lines = [{"id": f"j{i}", "type": "summarize", "text": f"text {i}", **extra} for i in range(n)]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_ping_answers_by_exit_code(cli: Cli) -> None:
+    # a live worker on the queue: 0; none on another queue: 6 once its timeout passes
+    assert cli("ping").returncode == 0
+    nobody = cli("ping", "--timeout", "1", queue="nobody-listens")
+    assert nobody.returncode == RET_TIMEOUT and b"0 live worker(s)" in nobody.stderr
+
+
+def test_waiting_past_timeout_exits_6_and_the_jobs_stay(cli: Cli, tmp_path: Path) -> None:
+    # Given jobs on a queue no worker consumes, When submit waits with --timeout
+    proc = cli("submit", str(_jobs(tmp_path / "j.jsonl", 3)), "--wait", "--timeout", "2", "-q",
+               queue="unconsumed")  # fmt: skip
+    # Then it gives up with exit 6, having printed the batch id, the jobs still queued
+    assert proc.returncode == RET_TIMEOUT, proc.stderr
+    batch = proc.stdout.decode().split()[0]
+    status = json.loads(cli("status", batch, "--json", queue="unconsumed").stdout)
+    assert status["total"] == 3 and status["remaining"] == 3
+
+
+def test_priority_resubmission_force_and_results_files(cli: Cli, tmp_path: Path) -> None:
+    src = _jobs(tmp_path / "j.jsonl", 4)
+    # Given a batch run to its end at --priority 7
+    first = cli("submit", str(src), "--wait", "--priority", "7", "-q", "--json")
+    assert first.returncode == 0, first.stderr
+    summary = json.loads(first.stdout.decode().splitlines()[-1])
+    batch = summary["batch"]
+    assert (summary["enqueued"], summary["completed"]) == (4, 4)
+    # When the same file is submitted again into the batch, Then nothing is sent twice
+    again = cli("submit", str(src), "--batch", batch, "-q")
+    assert again.returncode == 0 and b"4 job(s) skipped" in again.stderr, again.stderr
+    # and with --force every job runs again, each still with one result
+    forced = cli("submit", str(src), "--batch", batch, "--force", "--wait", "-q")
+    assert forced.returncode == 0, forced.stderr
+    # Then results --out/--errors split completed from failed, and --table shows each job
+    out, errs = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    assert cli("results", batch, "--out", str(out), "--errors", str(errs)).returncode == 0
+    assert sorted(json.loads(x)["id"] for x in out.read_text().splitlines()) == [
+        "j0", "j1", "j2", "j3"
+    ]  # fmt: skip
+    assert errs.read_text() == ""
+    table = cli("results", batch, "--table").stdout.decode()
+    assert all(f"j{i}" in table for i in range(4))
+
+
+def test_a_job_at_priority_seven_waits_in_its_priority_list(cli: Cli, tmp_path: Path) -> None:
+    # kombu's Redis transport keeps one list per priority step, consumed lowest step first:
+    # priority 7 is step 2
+    proc = cli("submit", str(_jobs(tmp_path / "j.jsonl", 2)), "--priority", "7", "-q",
+               queue="parked")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    r = redis.Redis.from_url(cli.url)
+    assert r.llen("parked:2") == 2 and r.llen("parked") == 0
+
+
+def test_templates_show_and_schema_kinds(cli: Cli) -> None:
+    shown = cli("templates", "show", "contact")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["name"] == "contact"
+    missing = cli("templates", "show", "no-such-template")
+    assert missing.returncode == RET_NOT_FOUND and b"no template" in missing.stderr
+    for kind, key in (("result", "status"), ("openai", "custom_id"), ("job", "discriminator")):
+        out = cli("schema", "--kind", kind)
+        assert out.returncode == 0 and key in out.stdout.decode(), kind
+
+
+def test_keys_are_revoked(cli: Cli) -> None:
+    key = cli("keys", "create", "gone-tenant").stdout.decode().strip()
+    assert key.startswith("vq-")
+    revoked = cli("keys", "revoke", "gone-tenant")
+    assert revoked.returncode == 0 and b"revoked 1 key(s)" in revoked.stdout
+    assert cli("keys", "revoke", "gone-tenant").returncode == RET_NOT_FOUND
+    from producer.api import ApiStore
+    from schemas import Settings
+
+    store = ApiStore(Settings(_env_file=None, broker_url=cli.url, key_prefix=_prefix()))
+    assert store.tenant_of(key) is None
+
+
+def _prefix() -> str:
+    from .conftest import KEY_PREFIX
+
+    return KEY_PREFIX
