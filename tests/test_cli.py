@@ -121,3 +121,31 @@ def _prefix() -> str:
     from .conftest import KEY_PREFIX
 
     return KEY_PREFIX
+
+
+def test_a_hand_made_message_the_worker_cannot_read_fails_as_invalid_job(cli: Cli) -> None:
+    # Given a Celery message written by hand, past every producer check: a job of no known type
+    from protocol.wire import task_message
+    from schemas import Envelope, SummarizeJob
+
+    env = Envelope(job=SummarizeJob(id="odd", type="summarize", text="x"), batch="handmade",
+                   enqueued_at=0.0)  # fmt: skip
+    key, raw = task_message(env, Q)
+    message = json.loads(raw)
+    body = json.loads(message["body"])
+    body[0][0]["job"]["type"] = "translate"
+    message["body"] = json.dumps(body)
+    r = redis.Redis.from_url(cli.url, decode_responses=True)
+    r.lpush(key, json.dumps(message))
+    # Then the worker records it failed as invalid_job, under its batch, and carries on
+    stream = f"{_prefix()}:batch:handmade:results"
+
+    def recorded() -> Any:
+        entries = r.xrange(stream)
+        return entries and json.loads(entries[0][1]["result"])
+
+    from .conftest import wait_for
+
+    result = wait_for(recorded, 60, "the hand-made job's result")
+    assert result["id"] == "odd" and result["error"]["type"] == "invalid_job", result
+    assert cli("ping").returncode == 0

@@ -375,3 +375,22 @@ def test_a_json_job_that_loops_every_time_fails_as_loop_with_its_text() -> None:
     from schemas import JobError
 
     assert JobError(type=failed.value.type, message=failed.value.message).type == "loop"
+
+
+def test_a_schema_the_engine_cannot_enforce_fails_its_job_at_the_worker(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a job whose schema guided decoding cannot enforce (`not`), made past the producer's
+    # own check (a producer without it, or a message written by hand)
+    from schemas import Envelope, jobs
+
+    monkeypatch.setattr(jobs, "GRAMMAR_CHECK", False)
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "not": {"required": ["a"]}}
+    job = ExtractJob.model_validate(
+        {"id": "u", "type": "extract", "text": "x", "json_schema": schema}
+    )
+    env = Envelope(job=job, batch=f"unenforceable-{RUN}", enqueued_at=0.0)
+    # When it runs, Then the worker's own compile refuses it: the job fails alone, saying why
+    r = next(client.submit_many([env], batch=env.batch).results(timeout=300))
+    assert r.status == "failed" and r.error is not None, r
+    assert r.error.type == "schema_unsupported" and "not" in r.error.message, r.error
