@@ -14,7 +14,15 @@ import uuid
 from typing import Annotated, Any, Literal
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 # Bounds that keep one hostile line from costing the fleet more than its own failure.
 MAX_TEXT_CHARS = 1_000_000  # ~250k tokens: larger than any context we serve, still bounded
@@ -144,7 +152,7 @@ def _check_json_schema(schema: dict[str, Any], grammar: bool = True) -> dict[str
     if len(text) > MAX_SCHEMA_CHARS:
         raise ValueError(f"json_schema is {len(text)} characters; the limit is {MAX_SCHEMA_CHARS}")
     problem = _schema_problem(text)
-    if problem is None and grammar and GRAMMAR_CHECK:
+    if problem is None and grammar:
         from . import grammar_check
 
         problem = grammar_check.problem(text)
@@ -153,10 +161,16 @@ def _check_json_schema(schema: dict[str, Any], grammar: bool = True) -> dict[str
     return schema
 
 
-# Whether validating a job asks llguidance if guided decoding can enforce its schema
-# (``schemas/grammar_check.py``). Producers do, before anything reaches Redis; a worker turns
-# it off: it compiles every schema itself and fails what does not compile (worker/structured.py).
-GRAMMAR_CHECK = True
+# Validation context of a job already checked: producers asked llguidance whether guided
+# decoding can enforce its schema (``schemas/grammar_check.py``) before it reached Redis, and a
+# worker compiles every schema itself and fails what does not compile (worker/structured.py).
+CHECKED = {"grammar_checked": True}
+
+
+def _schema_ok(v: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+    if v is None:
+        return None
+    return _check_json_schema(v, grammar=not (info.context or {}).get("grammar_checked"))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -246,7 +260,7 @@ class ExtractJob(_JobBase):
     # script names it
     language: str | None = Field(default=None, pattern=LANGUAGE_PATTERN)
 
-    _schema_ok = field_validator("json_schema")(lambda v: v if v is None else _check_json_schema(v))
+    _schema_ok = field_validator("json_schema")(_schema_ok)
 
     @model_validator(mode="after")
     def _needs_schema(self) -> ExtractJob:
@@ -274,7 +288,7 @@ class ChatJob(_JobBase):
     json_schema: dict[str, Any] | None = None
     json_object: bool = False
 
-    _schema_ok = field_validator("json_schema")(lambda v: v if v is None else _check_json_schema(v))
+    _schema_ok = field_validator("json_schema")(_schema_ok)
 
 
 Job = Annotated[SummarizeJob | ExtractJob | CodegenJob | ChatJob, Field(discriminator="type")]

@@ -1106,3 +1106,22 @@ def test_password_and_tls_broker(procs: Procs, tmp_path: Path) -> None:
     )  # fmt: skip
     err = proc.stderr.decode()
     assert proc.returncode == 4 and "wrong-pw" not in err and ":***@" in err, err
+
+
+@pytest.mark.unit
+def test_sockets_and_boards_of_processes_that_are_gone_are_removed(tmp_path: Path) -> None:
+    # Given a frontend socket and a confidence board left by a process killed with -9, and one
+    # of each of a process that lives (this one)
+    from worker.app import remove_stale_files
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    left = [tmp_path / f"vqueue-frontend-{gone.pid}-ab12.sock",
+            tmp_path / f"vqueue-confidence-{gone.pid}-cd34"]  # fmt: skip
+    live = [tmp_path / f"vqueue-frontend-{os.getpid()}-ef56.sock",
+            tmp_path / f"vqueue-confidence-{os.getpid()}-0a1b"]  # fmt: skip
+    for p in [*left, *live]:
+        p.write_bytes(b"")
+    # When a worker starts, Then the dead process's files go and the live one's stay
+    assert remove_stale_files((str(tmp_path),)) == 2
+    assert not any(p.exists() for p in left) and all(p.exists() for p in live)

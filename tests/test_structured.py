@@ -377,17 +377,15 @@ def test_a_json_job_that_loops_every_time_fails_as_loop_with_its_text() -> None:
     assert JobError(type=failed.value.type, message=failed.value.message).type == "loop"
 
 
-def test_a_schema_the_engine_cannot_enforce_fails_its_job_at_the_worker(
-    client: Client, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_schema_the_engine_cannot_enforce_fails_its_job_at_the_worker(client: Client) -> None:
     # Given a job whose schema guided decoding cannot enforce (`not`), made past the producer's
     # own check (a producer without it, or a message written by hand)
-    from schemas import Envelope, jobs
+    from schemas import Envelope
+    from schemas.jobs import CHECKED
 
-    monkeypatch.setattr(jobs, "GRAMMAR_CHECK", False)
     schema = {"type": "object", "properties": {"a": {"type": "string"}}, "not": {"required": ["a"]}}
     job = ExtractJob.model_validate(
-        {"id": "u", "type": "extract", "text": "x", "json_schema": schema}
+        {"id": "u", "type": "extract", "text": "x", "json_schema": schema}, context=CHECKED
     )
     env = Envelope(job=job, batch=f"unenforceable-{RUN}", enqueued_at=0.0)
     # When it runs, Then the worker's own compile refuses it: the job fails alone, saying why

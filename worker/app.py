@@ -7,13 +7,17 @@ arq's ``on_startup``/``on_shutdown``.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -23,12 +27,9 @@ from celery import Celery, signals
 from protocol.exits import RET_CONFIG, RET_ENGINE
 from protocol.routing import move_all, rescue_orphans, urgent_queue, worker_queue
 from protocol.wire import PRIORITY_SEP, PRIORITY_STEPS, task_name
-from schemas import JOB_TYPES, Settings, get_settings, jobs
+from schemas import JOB_TYPES, Settings, get_settings
 
 log = logging.getLogger(__name__)
-# Producers asked llguidance about every schema before it was queued; here the engine host
-# compiles each one itself and fails its jobs when it cannot (worker/structured.py).
-jobs.GRAMMAR_CHECK = False
 
 # Named exit codes (dramatiq's habit), from the CLI's one table: a supervisor can tell a broken
 # engine or configuration from a clean stop.
@@ -55,9 +56,11 @@ def guard_closed_channels() -> None:
     Also: a job kombu took off its list but could not record as unacknowledged, because Redis
     went away between the two commands, goes to ``limbo`` instead of nowhere (``Limbo``). And
     when Redis is full (``maxmemory``, noeviction), ``BRPOP`` still pops (it frees memory) but
-    the unacknowledged record is refused: Celery takes that ``OutOfMemoryError`` for an
-    unrecoverable error and the worker exited, the job lost. The record waits for room
-    instead (``tasks.while_full``), holding the consumer, which can take nothing more anyway.
+    the unacknowledged record is refused, and so is an acknowledgement: kombu sends both in a
+    MULTI, inside which Redis refuses every command when out of memory. Celery takes that
+    ``OutOfMemoryError`` for an unrecoverable error and the worker would exit, the popped job
+    lost. Both wait for room instead (``tasks.while_full``), holding the consumer, which can
+    take nothing more anyway (``test_redis_full_loses_no_job_and_stops_no_worker``).
 
     Installed on the kombu versions in ``KOMBU_VERIFIED`` only; elsewhere the worker logs an
     error and runs without it.
@@ -106,10 +109,24 @@ def guard_closed_channels() -> None:
             limbo.keep(self.channel, message)
             raise
 
+    stock_ack, stock_reject = kombu_redis.QoS.ack, kombu_redis.QoS.reject
+
+    def ack(self: Any, delivery_tag: Any) -> Any:
+        from .tasks import while_full
+
+        return while_full("ack", lambda: stock_ack(self, delivery_tag))
+
+    def reject(self: Any, delivery_tag: Any, requeue: bool = False) -> Any:
+        from .tasks import while_full
+
+        return while_full("ack", lambda: stock_reject(self, delivery_tag, requeue=requeue))
+
     _connparams.__vqueue__ = True  # type: ignore[attr-defined]
     channel._connparams = _connparams  # type: ignore[method-assign]
     kombu_redis.QoS.restore_unacked = restore_unacked  # type: ignore[method-assign]
     kombu_redis.QoS.append = append  # type: ignore[method-assign]
+    kombu_redis.QoS.ack = ack  # type: ignore[method-assign]
+    kombu_redis.QoS.reject = reject  # type: ignore[method-assign]
 
 
 def reuse_broker_clients() -> None:
@@ -388,12 +405,38 @@ class _WorkerState:
 state = _WorkerState()
 
 
+def remove_stale_files(directories: tuple[str, ...] = ("/dev/shm", tempfile.gettempdir())) -> int:
+    """Remove what processes that are gone left behind: frontend sockets and confidence boards
+    are named ``vqueue-<kind>-<pid>-...`` after the process that made them, and one killed
+    (``kill -9``, the OOM killer) never removes its own. Returns how many were removed."""
+    removed = 0
+    for directory in directories:
+        for path in glob.glob(os.path.join(directory, "vqueue-*-*-*")):
+            match = re.fullmatch(r"vqueue-(?:frontend|confidence)-(\d+)-.*", os.path.basename(path))
+            if match is None:
+                continue
+            try:
+                os.kill(int(match.group(1)), 0)
+                continue  # its process lives
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue  # someone else's, and alive
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed += 1
+    return removed
+
+
 @signals.worker_init.connect
 def _build_engine(sender: Any = None, **_: Any) -> None:
     import importlib
 
     from . import metrics
     from .engine import ConfigError
+
+    if not settings.frontend and (n := remove_stale_files()):
+        log.info("removed %d socket(s) and board(s) left by processes that are gone", n)
 
     state.metrics_url = metrics.serve(settings.metrics_port, settings.metrics_host)
     # One interpreter holds Celery's consumer, the task threads and the tokenizer, and each

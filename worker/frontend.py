@@ -394,8 +394,9 @@ def serve(
     # listening from the start: the worker's intake processes start beside the engine, not
     # after it (they import as much as a worker does), and wait in the backlog until it is up
     listener = None
-    if listen is not None:
-        listener = connection.Listener(listen[0], family="AF_UNIX", backlog=64, authkey=listen[1])
+    if listen is not None:  # the key is checked per connection, off the accepting thread
+        listener = connection.Listener(listen[0], family="AF_UNIX", backlog=64)
+        os.chmod(listen[0], 0o600)
     try:
         frontend = Frontend(conn, settings, model_path)
     except ConfigError as exc:
@@ -405,8 +406,8 @@ def serve(
         log.exception("the vLLM engine failed to start")
         conn.send(("failed", "engine", f"{type(exc).__name__}: {exc}"))
         return
-    if listener is not None:
-        frontend.listen(listener)
+    if listener is not None and listen is not None:
+        frontend.listen(listener, listen[1])
     frontend.run()
 
 
@@ -497,7 +498,7 @@ class Frontend:
             self.main.out.put(("stats", self.stats.totals()))
             await asyncio.sleep(STATS_EVERY_S)
 
-    def listen(self, listener: Any) -> None:
+    def listen(self, listener: Any, key: bytes) -> None:
         """Take the worker's intake processes' connections (``connect``) on a Unix socket
         only they know the key of; each gets the tokenizer and its own reader and sender."""
         log.info("serving the worker's intake processes on %s", listener.address)
@@ -508,23 +509,28 @@ class Frontend:
             for n in itertools.count(1):
                 try:
                     conn = listener.accept()
-                except (OSError, EOFError, multiprocessing.AuthenticationError) as exc:
+                except OSError as exc:
                     log.warning("an intake connection failed: %s", exc)
                     continue
-                # each in a thread of its own: sending the tokenizer blocks until that process
-                # reads it, and one still importing must not hold up the others' connections
+                # each in a thread of its own, from the key's challenge on: a connection that
+                # never answers, or an intake process still importing that is slow to read the
+                # tokenizer, must not hold up the others
                 name = f"vqueue-intake-{n}"
                 threading.Thread(
-                    target=self._serve_intake, args=(conn, name, ready), name=name, daemon=True
-                ).start()
+                    target=self._serve_intake, args=(conn, name, ready, key), name=name,
+                    daemon=True,
+                ).start()  # fmt: skip
 
         threading.Thread(target=accept, name="vqueue-frontend-listen", daemon=True).start()
 
-    def _serve_intake(self, conn: Any, name: str, ready: bytes) -> None:
-        try:
+    def _serve_intake(self, conn: Any, name: str, ready: bytes, key: bytes) -> None:
+        try:  # what ``Listener(authkey=)`` does in ``accept``, here on this connection's thread
+            connection.deliver_challenge(conn, key)
+            connection.answer_challenge(conn, key)
             conn.send_bytes(ready)
-        except OSError as exc:
+        except (OSError, EOFError, multiprocessing.AuthenticationError) as exc:
             log.warning("an intake connection failed: %s", exc)
+            conn.close()
             return
         link = _Link(conn, name)
         self._read(link)

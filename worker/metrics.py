@@ -53,7 +53,7 @@ JOBS_DUPLICATE = Counter(
 )
 REDIS_FULL_WAITS = Counter(
     "vqueue_redis_full_waits_total",
-    "Writes Redis refused at maxmemory that the worker waited out (start, record, consume)",
+    "Writes Redis refused at maxmemory that the worker waited out (start, record, consume, ack)",
     ["op"],
 )
 QUEUE_WAIT = Histogram(

@@ -39,7 +39,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from protocol.wire import task_name
 from schemas import JOB_TYPES, Envelope, JobError, JobResult, Timings
-from schemas.jobs import BATCH_PATTERN
+from schemas.jobs import BATCH_PATTERN, CHECKED
 from schemas.results import ErrorType
 
 from . import metrics
@@ -127,7 +127,7 @@ def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
 
 def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
     try:
-        env = Envelope.model_validate(payload)
+        env = Envelope.model_validate(payload, context=CHECKED)
     except ValidationError as exc:
         # Producers validate first, so this is a hand-made message: fail it, never crash.
         result = _failed(task, payload, "invalid_job", str(exc).splitlines()[0])
@@ -214,7 +214,7 @@ def _unrecordable(task: Task, payload: Any, exc: RedisError) -> dict[str, Any]:
     loudly. The job is acknowledged: requeueing it would meet the same error forever."""
     message = f"Redis refused to record this job: {type(exc).__name__}: {exc}"
     try:
-        env: Envelope | None = Envelope.model_validate(payload)
+        env: Envelope | None = Envelope.model_validate(payload, context=CHECKED)
     except ValidationError:
         env = None
     result = _failed(task, payload, "internal_error", message, env)
