@@ -83,11 +83,7 @@ def main() -> None:
 
     wlog = out / "worker.log"
     proc, log, start_s = launch_worker(f"{tag}@w", env, wlog, a.redis, "-l", "WARNING")
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "producer.cli", "serve", "--port", str(port)],
-        cwd=ROOT, env=env, stdout=open(out / "serve.log", "w"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    server, port = start_serve(env, out / "serve.log")
     rows: list[dict[str, Any]] = []
     try:
         key = subprocess.run(
@@ -129,6 +125,16 @@ def main() -> None:
     if bad or (not a.stub and len(tokens) > 1):
         print(f"not equal work: {bad or tokens}", file=sys.stderr)
         sys.exit(1)
+
+
+def start_serve(env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """A ``vqueue serve`` on a free port with ``env``, its output in ``log``."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "producer.cli", "serve", "--port", str(port)],
+        cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    return server, port
 
 
 def _wait_up(port: int) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .gpu_suite import launch_worker, stop
-from .http_path import ROOT, _free_port, _wait_up
+from .http_path import ROOT, _wait_up, start_serve
 
 
 def _slow_schema(i: int) -> dict[str, Any]:
@@ -85,11 +85,7 @@ def main() -> None:
     )  # fmt: skip
     env = {**os.environ, **env}
     proc, log, _ = launch_worker(f"{tag}@w", env, out / "worker.log", a.redis, "-l", "WARNING")
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "producer.cli", "serve", "--port", str(port)],
-        cwd=ROOT, env=env, stdout=open(out / "serve.log", "w"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    server, port = start_serve(env, out / "serve.log")
     rows: list[dict[str, Any]] = []
     try:
         import openai
