@@ -9,6 +9,7 @@ one table for the whole binary (``vqueue worker`` exits with the worker's):
     8 STALLED (waiting ended: no live worker, or no new result, for too long)
     9 ENGINE (a worker's engine failed to start or died: restart it)
     10 CONFIG (`vqueue worker --check`: this configuration cannot run)
+    11 STOPPED (Redis refused part of a submission)    130 INTERRUPTED (Ctrl-C while waiting)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from protocol.exits import (
     RET_CONNECT,
     RET_FAILURE,
     RET_INPUT,
+    RET_INTERRUPTED,
     RET_NOT_FOUND,
     RET_REFUSED,
     RET_STALLED,
@@ -200,7 +202,9 @@ def submit(
     size = os.fstat(fh.fileno()).st_size if file != "-" else None
     with ExitStack() as stack:
         stack.enter_context(fh)
-        errors_out = stack.enter_context(open(errors_path, "w")) if errors_path else None
+        # opened before anything is enqueued: a path that cannot be written fails here, alone
+        out_file = _open_for_writing(stack, out_path, "--out")
+        errors_out = _open_for_writing(stack, errors_path, "--errors")
         bar = _bar(quiet, total=size, unit="B", unit_scale=True, desc="submit")
         created = client.store.create(
             batch,
@@ -289,25 +293,27 @@ def submit(
                 else f"{file}: no jobs (empty input)",
                 RET_INPUT,
             )
-        if handle.skipped:
-            click.echo(
-                f"{handle.skipped} job(s) skipped: their ids already have results in batch {batch}",
-                err=True,
-            )
-        good -= handle.skipped
-        click.echo(f"batch {batch}: {good} jobs enqueued, {rejected} lines rejected", err=True)
-        if not as_json:
-            click.echo(batch)
-            sys.stdout.flush()
-        st = None
-        if wait:
-            out = stack.enter_context(open(out_path, "w")) if out_path else None
-            st = _follow(client, batch, out, errors_out, quiet, timeout)
-        if as_json:
-            summary: dict[str, Any] = {"batch": batch, "enqueued": good, "rejected": rejected}
-            if st:
-                summary.update(completed=st.completed, failed=st.failed)
-            click.echo(json.dumps(summary))
+        try:  # the batch is whole in Redis from here: Ctrl-C leaves it running, and says so
+            if handle.skipped:
+                skipped = handle.skipped
+                _say(f"{skipped} job(s) skipped: their ids already have results in batch {batch}")
+            good -= handle.skipped
+            click.echo(f"batch {batch}: {good} jobs enqueued, {rejected} lines rejected", err=True)
+            if not as_json:
+                click.echo(batch)
+                sys.stdout.flush()
+            st = None
+            if wait:
+                st = _follow(client, batch, out_file, errors_out, quiet, timeout)
+            else:
+                _warn_if_nobody_consumes(client)
+            if as_json:
+                summary: dict[str, Any] = {"batch": batch, "enqueued": good, "rejected": rejected}
+                if st:
+                    summary.update(completed=st.completed, failed=st.failed)
+                click.echo(json.dumps(summary))
+        except KeyboardInterrupt:
+            _interrupted(batch)
 
 
 def _bar(quiet: bool, **kw: Any) -> Any:
@@ -502,8 +508,8 @@ def results(
     except BatchNotFound as exc:
         fail(str(exc), RET_NOT_FOUND)
     with ExitStack() as stack:
-        out = stack.enter_context(open(out_path, "w")) if out_path else sys.stdout
-        errors = stack.enter_context(open(errors_path, "w")) if errors_path else None
+        out = _open_for_writing(stack, out_path, "--out") or sys.stdout
+        errors = _open_for_writing(stack, errors_path, "--errors")
         it = client.batch(batch).results(timeout=timeout) if wait else client.store.iter_all(batch)
         try:
             if table:
@@ -511,14 +517,61 @@ def results(
                 return
             for res in it:
                 _write_result(res, out, errors)
+        except KeyboardInterrupt:
+            _interrupted(batch)
         except WaitTimeout as exc:
             fail(str(exc), RET_TIMEOUT)
         except Stalled as exc:
             fail(str(exc), RET_STALLED)
 
 
+def _open_for_writing(stack: ExitStack, path: str | None, option: str) -> IO[str] | None:
+    if path is None:
+        return None
+    try:
+        return stack.enter_context(open(path, "w"))
+    except OSError as exc:
+        fail(f"cannot write {option} {path}: {exc.strerror}; nothing was enqueued", RET_USAGE)
+
+
+def _interrupted(batch: str) -> NoReturn:
+    """Ctrl-C while waiting: the batch runs on, and the wait can be taken up again."""
+    click.echo(
+        f"\nvqueue: stopped waiting; batch {batch} runs on. Wait again with: "
+        f"vqueue results {batch} --wait",
+        err=True,
+    )
+    sys.exit(RET_INTERRUPTED)
+
+
+def _warn_if_nobody_consumes(client: Any) -> None:
+    queue = client.settings.queue
+    if not any(w.get("queue") == queue for w in client.store.workers()):
+        _say(f"no live worker consumes queue {queue!r}: the jobs wait there until one starts")
+
+
+def _cells(text: str) -> int:
+    """Terminal columns ``text`` takes: East Asian wide and full-width characters take two."""
+    import unicodedata
+
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def _fit(text: str, cols: int, pad: bool = True) -> str:
+    """``text`` cut to ``cols`` terminal columns (an ellipsis where cut), padded to them."""
+    if _cells(text) > cols:
+        out = ""
+        for c in text:
+            if _cells(out + c) > cols - 1:
+                break
+            out += c
+        text = out + "…"
+    return text + " " * (cols - _cells(text)) if pad else text
+
+
 def render_table(rows: list[JobResult], width: int = 60) -> str:
-    """One line per job: what it was, how it ended, how long it took, what it said."""
+    """One line per job: what it was, how it ended, how long it took, what it said; columns
+    counted in terminal cells, so Chinese or Japanese text keeps them aligned."""
     head = f"{'id':<12} {'type':<10} {'status':<10} {'tokens':>6} {'secs':>6}  output"
     lines = [head, "-" * (len(head) + width - 6)]
     for r in rows:
@@ -530,10 +583,9 @@ def render_table(rows: list[JobResult], width: int = 60) -> str:
             shown = json.dumps(r.data, ensure_ascii=False)
         else:
             shown = r.code if r.code is not None else (r.text or "")
-        shown = " ".join(shown.split())
-        shown = shown if len(shown) <= width else shown[: width - 1] + "…"
+        shown = _fit(" ".join(shown.split()), width, pad=False)
         lines.append(
-            f"{r.id[:12]:<12} {r.type:<10} {r.status:<10} "
+            f"{_fit(r.id, 12)} {r.type:<10} {r.status:<10} "
             f"{r.usage.completion_tokens:>6} {secs:>6.1f}  {shown}"
         )
     return "\n".join(lines)

@@ -200,6 +200,14 @@ class Settings(BaseSettings):
     loop_retries: int = Field(default=1, ge=0, le=5)
     loop_retry_frequency_penalty: float = Field(default=0.5, gt=0.0, le=2.0)
 
+    @field_validator("broker_url", "result_backend")
+    @classmethod
+    def _a_redis_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            scheme = v.partition("://")[0][:20]  # the rest may hold a password
+            raise ValueError(f"must be a Redis URL (redis://, rediss://, unix://), not {scheme}://")
+        return v
+
     @field_validator("queue")
     @classmethod
     def _not_an_urgent_queue(cls, v: str) -> str:

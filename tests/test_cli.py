@@ -5,6 +5,7 @@ what is under test is the command's behaviour, output and exit code, not generat
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +150,71 @@ def test_a_hand_made_message_the_worker_cannot_read_fails_as_invalid_job(cli: Cl
     result = wait_for(recorded, 60, "the hand-made job's result")
     assert result["id"] == "odd" and result["error"]["type"] == "invalid_job", result
     assert cli("ping").returncode == 0
+
+
+def test_bad_paths_and_urls_fail_before_anything_is_enqueued(cli: Cli, tmp_path: Path) -> None:
+    src = _jobs(tmp_path / "j.jsonl", 2)
+    # an --out that cannot be written: one line, exit 2, and no batch made
+    r = redis.Redis.from_url(cli.url)
+    before = len(r.keys(f"{_prefix()}:batch:*"))
+    proc = cli("submit", str(src), "--wait", "--out", "/nonexistent/dir/r.jsonl", queue="paths")
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 2 and "cannot write --out" in stderr and "Traceback" not in stderr
+    assert len(r.keys(f"{_prefix()}:batch:*")) == before and r.llen("paths") == 0
+    # a broker URL that is not Redis's: one line, exit 2, no password echoed
+    bad = cli("--broker", "http://user:secret@host", "submit", str(src))
+    stderr = bad.stderr.decode()
+    assert bad.returncode == 2 and "must be a Redis URL" in stderr, stderr
+    assert "secret" not in stderr and "Traceback" not in stderr
+
+
+def test_a_submit_no_worker_will_take_says_so(cli: Cli, tmp_path: Path) -> None:
+    proc = cli("submit", str(_jobs(tmp_path / "j.jsonl", 1)), "-q", queue="nobody-here")
+    assert proc.returncode == 0
+    assert b"no live worker consumes queue 'nobody-here'" in proc.stderr, proc.stderr
+
+
+def test_ctrl_c_while_waiting_exits_130_and_says_how_to_wait_again(
+    cli: Cli, tmp_path: Path
+) -> None:
+    import signal
+    import sys
+
+    from .conftest import WORKDIR, wait_for, worker_env
+
+    # Given a submit waiting on jobs no worker takes
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "producer.cli", "submit", str(_jobs(tmp_path / "j.jsonl", 2)),
+         "--wait", "-q"],
+        cwd=WORKDIR, env=worker_env("waits-forever", VQUEUE_BROKER_URL=cli.url),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    batch = wait_for(lambda: proc.stdout.readline().decode().strip(), 60, "the batch id")  # type: ignore[union-attr]
+    # When it is interrupted, Then it exits 130, naming the command that waits again
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert f"vqueue results {batch} --wait" in err.decode() and b"Traceback" not in err
+
+
+@pytest.mark.unit
+def test_the_results_table_stays_aligned_with_wide_characters() -> None:
+    from producer.cli import _cells, render_table
+    from schemas import JobResult, Timings
+
+    rows = [
+        JobResult(
+            id=ident,
+            batch="b",
+            type="summarize",
+            status="completed",
+            text=text,
+            timings=Timings(enqueued_at=0.0, finished_at=1.0),
+        )  # fmt: skip
+        for ident, text in (("ascii", "plain words " * 20), ("摘要-一", "注意防范山洪" * 30))
+    ]
+    lines = render_table(rows).splitlines()[2:]
+    # every column starts at the same terminal cell, and no line passes the table's width
+    starts = [_cells(line.split("completed")[0]) for line in lines]
+    assert starts[0] == starts[1], lines
+    assert len({_cells(line) for line in lines}) == 1 or max(_cells(x) for x in lines) <= 110
