@@ -424,6 +424,9 @@ class Batches:
         bid, s = b.id, self.settings
         client = Client(s, tenant=tenant, on_limit="wait")
         want = "openai" if b.endpoint == "/v1/chat/completions" else "vqueue"
+        if b.status == "in_progress":  # a feed resumed: its input was checked and counted
+            self._send(client, b, fh, gone, self.store.batches.fed_position(bid))
+            return
         ceiling, budget = s.priority_ceiling(tenant), s.token_budget(tenant)
         errors: list[BatchError] = []
         bad = total = 0
@@ -446,9 +449,6 @@ class Batches:
                     errors.append(BatchError(code="invalid_request", message=message, line=p.line))
             total += 1
         now = int(time.time())
-        if b.status == "in_progress":  # a feed resumed: checked and counted before
-            self._send(client, b, fh, gone, self.store.batches.fed_position(bid))
-            return
         if bad or not total:
             if not total:
                 errors.append(BatchError(code="empty_file", message="the input file has no lines"))
