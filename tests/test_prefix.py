@@ -46,18 +46,26 @@ def _expected_worker(job: dict[str, Any], names: list[str]) -> str:
 
 def test_a_prefix_group_lands_on_one_worker(two_workers: dict[str, WorkerProc]) -> None:
     # Given two live workers, keeping up (no backlog reaches the spill depth), and 6 groups of
-    # 4 jobs sharing a code context each
+    # 4 jobs sharing a code context each, 3 groups homed on each worker (worker names carry a
+    # per-run suffix, so the groups are picked by rank rather than fixed)
     client = Client(make_settings(Q, route_spill_depth=100))
-    jobs = [_job(g, i) for g in range(6) for i in range(4)]
+    names = _names(two_workers)
+    homes: dict[str, list[int]] = {n: [] for n in names}
+    for g in range(64):
+        home = homes[_expected_worker(_job(g, 0), names)]
+        if len(home) < 3:
+            home.append(g)
+    groups = sorted(g for gs in homes.values() for g in gs)
+    assert len(groups) == 6, homes
+    jobs = [_job(g, i) for g in groups for i in range(4)]
     # When they are submitted
     results = list(client.submit_many(jobs).results(timeout=300))
     # Then each group ran on one worker, the one its prefix key ranks first
-    names = _names(two_workers)
     by_group: dict[str, set[str]] = {}
     for r in results:
         by_group.setdefault(r.id.split("-")[0], set()).add(r.worker or "")
     assert all(len(ws) == 1 for ws in by_group.values()), by_group
-    for g in range(6):
+    for g in groups:
         assert by_group[f"g{g}"] == {_expected_worker(_job(g, 0), names)}
     assert {w for ws in by_group.values() for w in ws} == set(names)  # both got keys
     # and the siblings found the group's prefix cached
