@@ -1,8 +1,8 @@
 """FAKE ENGINE, for tests that isolate queue mechanics (worker kill -9, SIGTERM drain, Redis
 restarts, dead letters), where restarting a real engine many times would only add minutes.
 
-It generates nothing: each job sleeps ``VQUEUE_TEST_FAKE_DELAY_S`` and answers a fixed text
-(the benchmarks' instant stub, slowed down). A job whose text contains ``KILL-THE-WORKER`` kills
+It generates nothing: each job sleeps ``VQUEUE_TEST_FAKE_DELAY_S`` and answers a fixed text,
+with token ids made up from the prompt's length. A job whose text contains ``KILL-THE-WORKER`` kills
 the worker process (SIGKILL), to make a poison job; one whose text contains ``RAISE-IN-WORKER``
 raises an exception nobody expects in the per-job path (a bug of ours, say). Used as
 ``VQUEUE_ENGINE_CLASS=tests.fake_engine:FakeEngine``; tests that use it say so. Every other test
@@ -17,7 +17,6 @@ import threading
 import time
 from typing import Any
 
-from benchmarks.stub_engine import StubEngine
 from schemas import Settings
 from worker.engine import Generation
 from worker.metrics import EngineStats
@@ -26,7 +25,7 @@ POISON = "KILL-THE-WORKER"
 BUG = "RAISE-IN-WORKER"
 
 
-class FakeEngine(StubEngine):
+class FakeEngine:
     def __init__(self, settings: Settings) -> None:
         # what the real engine host has imported before its first job (the jobs' sampling
         # parameters are vLLM's): not on the first job, whose time it would take
@@ -47,7 +46,14 @@ class FakeEngine(StubEngine):
             os.kill(os.getpid(), signal.SIGKILL)
         if any(BUG in m["content"] for m in messages):
             raise ZeroDivisionError("injected into the per-job path by the test")
-        return super().chat_prompt(messages, known)
+        # about four characters a token, like a real tokenizer on English
+        return [0] * max(1, sum(len(m["content"]) for m in messages) // 4)
+
+    def encode(self, text: str, priority: int = 0) -> list[int]:
+        return [ord(c) for c in text]  # a character a token
+
+    def decode(self, ids: list[int], priority: int = 0) -> str:
+        return "".join(map(chr, ids))
 
     def generate(
         self,
@@ -67,7 +73,17 @@ class FakeEngine(StubEngine):
             # finish on the next multiple of the delay: jobs started together end together, the
             # way a continuous batch hands back many outputs in one engine step
             time.sleep(self.delay - time.time() % self.delay)
-            return super().generate(prompt_ids, params)
+            return Generation(
+                text="stub output",
+                finish_reason="stop",
+                prompt_tokens=len(prompt_ids),
+                completion_tokens=2,
+                first_token_at=time.time(),
+            )
         finally:
             with self._lock:
                 self.in_flight -= 1
+                self.jobs_done += 1
+
+    def close(self) -> None:
+        pass
