@@ -60,17 +60,32 @@ class Limits:
         )
 
 
+class Unavailable(Exception):
+    """No check can run here: the child could not start or import llguidance."""
+
+
 class _Child:
     """One checking process: a schema's text in on stdin, llguidance's answer out on stdout."""
 
+    START_S = 60.0  # for the child to import llguidance under its limit
+
     def __init__(self, memory_bytes: int) -> None:
+        # ``-P``: the current directory is not on the child's path (a stray llguidance.py is
+        # never imported); the environment is kept, PYTHONPATH included, as the asker has it
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _CHILD, str(memory_bytes)],
+            [sys.executable, "-P", "-c", _CHILD, str(memory_bytes)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,  # a failed allocation prints a Rust backtrace
             env={**os.environ, "RUST_BACKTRACE": "0"},
         )
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.START_S)
+        line = self.proc.stdout.readline() if ready else b""
+        if line.strip() != b'"ready"':
+            self.kill()
+            why = json.loads(line) if line.startswith(b'"') else "it did not start in time"
+            raise Unavailable(f"json_schema cannot be checked here: {why}")
 
     def ask(self, text: str, timeout_s: float) -> str:
         """llguidance's error, "" when the schema is enforceable. Raises ``TimeoutError`` (the
@@ -128,7 +143,10 @@ class Checker:
 
     def _check(self, text: str, who: str) -> tuple[str | None, bool]:
         lim = self.limits
-        child = self._take(who)
+        try:
+            child = self._take(who)
+        except Unavailable as exc:
+            return str(exc), False
         if child is None:
             return (
                 f"json_schema could not be checked: every schema check was busy for "
@@ -206,13 +224,19 @@ def problem(text: str) -> str | None:
     return checker().problem(text, tenant.get())
 
 
-# The child: limit its own address space, then answer one schema per line until EOF. Run with
-# ``python -I -c``: it imports llguidance alone, so the limit is spent on the schema.
+# The child: limit its own address space, import llguidance (and nothing else, so the limit is
+# spent on the schema), say "ready" or why not, then answer one schema per line until EOF.
 _CHILD = """
 import json, os, resource, sys
 limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-import llguidance
+try:
+    import llguidance
+except BaseException as exc:
+    sys.stdout.write(json.dumps(f"llguidance does not import: {exc}"[:300]) + "\\n")
+    sys.exit(1)
+sys.stdout.write(json.dumps("ready") + "\\n")
+sys.stdout.flush()
 for line in sys.stdin:
     text = json.loads(line)
     try:
