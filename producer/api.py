@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from pydantic import ValidationError
 
 from protocol.store import BatchStore
 from schemas import Envelope, JobResult, Settings, get_settings, output_line
@@ -39,9 +40,12 @@ from schemas.api import (
     BatchErrors,
     BatchList,
     BatchObject,
+    ExpiresAfter,
     FileDeleted,
     FileList,
     FileObject,
+    ModelList,
+    ModelObject,
     RequestCounts,
     window_seconds,
 )
@@ -64,6 +68,25 @@ def _digest(key: str) -> str:
 def _private(path: str, flags: int) -> int:
     """``open``'s opener for tenants' files: readable by the server's user alone."""
     return os.open(path, flags, 0o600)
+
+
+def _expired(f: FileObject) -> bool:
+    """Past its ``expires_at``: gone to its tenant even before ``ApiStore.expire`` deletes it."""
+    return f.expires_at is not None and f.expires_at <= time.time()
+
+
+def _expires_after(form: Any) -> int | str | None:
+    """An upload's ``expires_after[anchor]``/``expires_after[seconds]`` form fields, as the
+    ``openai`` SDK sends them: the seconds to keep the file, None to keep it until deleted, or
+    what is wrong with them."""
+    anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    try:
+        return ExpiresAfter.model_validate({"anchor": anchor, "seconds": seconds}).seconds
+    except ValidationError:
+        return ("expires_after needs anchor 'created_at' and seconds from 3600 to 2592000, "
+                f"not {str(anchor)[:40]!r} and {str(seconds)[:40]!r}")  # fmt: skip
 
 
 def _safe_name(filename: str) -> str:
@@ -105,8 +128,9 @@ class ApiStore:
 
     # -- files
     def add_file(
-        self, tenant: str, src: Any, filename: str, purpose: str, limit: int
-    ) -> FileObject:
+        self, tenant: str, src: Any, filename: str, purpose: str, limit: int,
+        ttl_s: int | None = None,
+    ) -> FileObject:  # fmt: skip
         """Copy an upload (a file object) in under a new id; ``TooLarge`` past ``limit``."""
         fid = "file-" + secrets.token_hex(16)
         path = self.dir / fid
@@ -119,18 +143,38 @@ class ApiStore:
                     path.unlink(missing_ok=True)
                     raise TooLarge
                 out.write(chunk)
-        return self.register(tenant, fid, _safe_name(filename), purpose, size)
+        return self.register(tenant, fid, _safe_name(filename), purpose, size, ttl_s)
 
-    def register(self, tenant: str, fid: str, filename: str, purpose: str, size: int) -> FileObject:
+    def register(
+        self, tenant: str, fid: str, filename: str, purpose: str, size: int,
+        ttl_s: int | None = None,
+    ) -> FileObject:  # fmt: skip
+        """Record a file kept on disk; one with ``ttl_s`` is deleted that long after it."""
+        now = int(time.time())
         f = FileObject(
-            id=fid, bytes=size, created_at=int(time.time()), filename=filename, purpose=purpose
-        )  # type: ignore[arg-type]
+            id=fid, bytes=size, created_at=now, filename=filename, purpose=purpose,
+            expires_at=now + ttl_s if ttl_s else None,
+        )  # type: ignore[arg-type]  # fmt: skip
         pipe = self.r.pipeline()
         pipe.hset(f"{self.p}:file:{fid}", mapping={"tenant": tenant, "obj": f.model_dump_json()})
         pipe.zadd(f"{self.p}:tenant:{tenant}:files", {fid: time.time()})
         pipe.hincrby(f"{self.p}:tenant:{tenant}:usage", "bytes", size)
+        if f.expires_at:
+            pipe.zadd(f"{self.p}:files:expiring", {fid: f.expires_at})
         pipe.execute()
         return f
+
+    def expire(self, now: float | None = None) -> int:
+        """Delete the files past their ``expires_at``, record and bytes; how many went."""
+        due = self.r.zrangebyscore(f"{self.p}:files:expiring", 0, now or time.time(), 0, 1000)
+        gone = 0
+        for fid in due:
+            h = self.r.hgetall(f"{self.p}:file:{fid}")
+            if h:
+                gone += self._remove(h["tenant"], FileObject.model_validate_json(h["obj"]))
+            else:
+                self.r.zrem(f"{self.p}:files:expiring", fid)
+        return gone
 
     def usage(self, tenant: str) -> tuple[int, int, int]:
         """What the tenant holds against its quotas: files, their bytes, batches not ended."""
@@ -158,7 +202,8 @@ class ApiStore:
         h = self.r.hgetall(f"{self.p}:file:{fid}")
         if not h or h.get("tenant") != tenant:
             return None
-        return FileObject.model_validate_json(h["obj"])
+        f = FileObject.model_validate_json(h["obj"])
+        return None if _expired(f) else f
 
     def path(self, fid: str) -> Path:
         return self.dir / fid
@@ -168,22 +213,28 @@ class ApiStore:
         pipe = self.r.pipeline(transaction=False)  # one round trip for the whole list
         for i in ids:
             pipe.hgetall(f"{self.p}:file:{i}")
-        return [
+        found = (
             FileObject.model_validate_json(h["obj"])
             for h in pipe.execute()
             if h and h.get("tenant") == tenant
-        ]
+        )
+        return [f for f in found if not _expired(f)]
 
     def delete_file(self, tenant: str, fid: str) -> bool:
         f = self.file(tenant, fid)
-        if f is None:
-            return False
+        return f is not None and self._remove(tenant, f)
+
+    def _remove(self, tenant: str, f: FileObject) -> bool:
+        """False when another server process removed it first: its bytes are given back once."""
         pipe = self.r.pipeline()
-        pipe.delete(f"{self.p}:file:{fid}")
-        pipe.zrem(f"{self.p}:tenant:{tenant}:files", fid)
+        pipe.zrem(f"{self.p}:tenant:{tenant}:files", f.id)
+        pipe.zrem(f"{self.p}:files:expiring", f.id)
+        if not self.r.delete(f"{self.p}:file:{f.id}"):
+            pipe.execute()
+            return False
         pipe.hincrby(f"{self.p}:tenant:{tenant}:usage", "bytes", -f.bytes)
         pipe.execute()
-        self.path(fid).unlink(missing_ok=True)
+        self.path(f.id).unlink(missing_ok=True)
         return True
 
     # -- batches
@@ -286,6 +337,9 @@ class ApiStore:
                 self.r.delete(key)
 
 
+CANCEL_GRACE_S = 30  # a cancelled batch's queued jobs left to the workers this long
+
+
 class TooLarge(ValueError):
     pass
 
@@ -364,6 +418,7 @@ class Batches:
             created_at=now,
             expires_at=now + window_seconds(req.completion_window),
             metadata=req.metadata,
+            output_expires_after=req.output_expires_after,
         )
         self.store.save(tenant, b)
         return b
@@ -548,6 +603,11 @@ class Batches:
         if b.status == "in_progress" and b.expires_at and now >= b.expires_at and not expiring:
             self.store.batches.withdraw(bid, "expired")
         sealed = self.store.batches.is_sealed(bid)
+        if sealed and st.done < st.total and self._close_withdrawn(bid):
+            st = self.store.batches.status(bid) or st
+            changes["request_counts"] = RequestCounts(
+                total=b.request_counts.total, completed=st.completed, failed=st.failed
+            )
         if not (sealed and st.done >= st.total):
             if changes["request_counts"] == b.request_counts:
                 return b  # nothing new: no write (the loop visits every open batch each tick)
@@ -569,6 +629,22 @@ class Batches:
             changes.update(output_file_id=out, error_file_id=err, status=end)
             changes[f"{end}_at"] = done
             return self._update(tenant, bid, **changes)
+
+    def _close_withdrawn(self, bid: str) -> bool:
+        """Whether the withdrawn batch's jobs without a result were closed here: at once when
+        no live worker consumes its queue (none would take them), else once the workers had
+        their turn (a cancelled job running is aborted within a second; an expired one runs
+        to its end, at most ``job_timeout_s``) and some are still queued behind other work."""
+        batches = self.store.batches
+        why, at = batches.withdrawn(bid), batches.withdrawn_at(bid)
+        if why not in ("cancelled", "expired") or at is None:
+            return False
+        grace = CANCEL_GRACE_S if why == "cancelled" else self.settings.job_timeout_s + 30
+        if time.time() < at + grace and batches.consumed(batches.queue_of(bid)):
+            return False
+        if closed := batches.close_unstarted(bid):
+            log.info("batch %s %s: closed %d job(s) no worker took", bid, why, closed)
+        return True
 
     def _sweep(self, tenant: str, b: BatchObject) -> BatchObject:
         """A batch being checked or submitted: if no server process feeds it (its feeder died
@@ -599,10 +675,12 @@ class Batches:
                 (ok if kind == "ok" else err).write(json.dumps(line) + "\n")
                 counts[kind] += 1
         got: dict[str, str | None] = {}
+        ttl = b.output_expires_after.seconds if b.output_expires_after else None
         for k in names:
             size = os.path.getsize(self.store.path(ids[k]))
             if counts[k]:
-                self.store.register(tenant, ids[k], names[k], "batch_output", size)
+                ttl = ttl or self.settings.api_output_ttl_s
+                self.store.register(tenant, ids[k], names[k], "batch_output", size, ttl)
                 got[k] = ids[k]
             else:
                 self.store.path(ids[k]).unlink(missing_ok=True)
@@ -662,10 +740,11 @@ def create_app(settings: Settings | None = None) -> Any:
     )
 
     async def mover() -> None:
-        """Moves every open batch along: counts, deadlines, the end."""
+        """Moves every open batch along (counts, deadlines, the end) and deletes expired files."""
         while True:
             await asyncio.sleep(s.api_poll_s)
             try:
+                await run_in_threadpool(store.expire)
                 for bid in await run_in_threadpool(store.active):
                     before = await run_in_threadpool(store.batch, None, bid)
                     b = await run_in_threadpool(batches.advance, bid)
@@ -738,6 +817,16 @@ def create_app(settings: Settings | None = None) -> Any:
             raise fail(503, f"redis: {type(exc).__name__}") from None
         return {"status": "ok", "workers": len(store.batches.workers())}
 
+    @app.get("/v1/models", response_model=ModelList)
+    def models(_who: str = Depends(tenant)) -> ModelList:
+        """The models live workers serve, each once, with when its first worker started."""
+        since: dict[str, int] = {}
+        for w in store.batches.workers():
+            if model := w.get("model"):
+                started = int(w.get("started_at") or time.time())
+                since[model] = min(since.get(model, started), started)
+        return ModelList(data=[ModelObject(id=m, created=t) for m, t in sorted(since.items())])
+
     @app.post("/v1/files", response_model=FileObject)
     async def upload(request: Request, who: str = Depends(tenant)) -> FileObject:
         files, held, _ = await run_in_threadpool(store.usage, who)
@@ -756,10 +845,14 @@ def create_app(settings: Settings | None = None) -> Any:
             raise fail(400, "purpose must be 'batch'", "invalid_purpose")
         if upload is None or isinstance(upload, str):
             raise fail(400, "no file part named 'file'")
+        ttl = _expires_after(form)
+        if isinstance(ttl, str):
+            raise fail(400, ttl, "invalid_expires_after")
         try:
             return await run_in_threadpool(
-                store.add_file, who, upload.file, upload.filename or "upload.jsonl", "batch", limit
-            )
+                store.add_file, who, upload.file, upload.filename or "upload.jsonl", "batch",
+                limit, ttl,
+            )  # fmt: skip
         except TooLarge:
             if limit < s.max_file_bytes:
                 raise fail(429, f"the file is larger than the {room} bytes left of this "

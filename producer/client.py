@@ -331,9 +331,14 @@ class Client:
 
     def cancel(self, batch_id: str) -> bool:
         """Withdraw the batch's jobs that have not started: each ends with a ``cancelled``
-        result, so the batch completes, keeping what finished. Jobs already generating run to
-        their end. False if there is no such batch."""
-        return self.store.withdraw(batch_id, "cancelled")
+        result, so the batch completes, keeping what finished. Jobs already generating are
+        aborted within about a second. With no live worker on the batch's queue, the results
+        are recorded here, so the batch ends now. False if there is no such batch."""
+        if not self.store.withdraw(batch_id, "cancelled"):
+            return False
+        if not self.store.consumed(self.store.queue_of(batch_id)):
+            self.store.close_unstarted(batch_id)
+        return True
 
     def _envelope(self, item: Any, batch_id: str) -> Envelope:
         tenant = self.settings.tenant

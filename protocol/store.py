@@ -32,7 +32,7 @@ from typing import Any
 
 import redis
 
-from schemas import BatchStatus, JobResult, Settings
+from schemas import BatchStatus, JobError, JobResult, Settings, Timings
 from schemas.jobs import BATCH_PATTERN
 from schemas.templates import Template
 
@@ -147,6 +147,12 @@ redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 60000)
 return wait
 """
 
+
+# what a job withdrawn before it started is told, by the reason its batch was withdrawn
+WITHDRAWN = {
+    "cancelled": "not run: its batch was cancelled before the job started",
+    "expired": "not run: its batch's completion window ended before the job started",
+}
 
 POOL_CONNECTIONS = 64  # per process; threads beyond it queue for a connection
 TEMPLATE_CHECK_S = 5.0  # for a template's examples against its schema, at registration
@@ -442,11 +448,37 @@ class BatchStore:
         still completes, with every result it had. False if there is no such batch."""
         if not self.r.exists(self.key(batch)):
             return False
-        self.r.hsetnx(self.key(batch), "withdrawn", reason)
+        if self.r.hsetnx(self.key(batch), "withdrawn", reason):
+            self.r.hset(self.key(batch), "withdrawn_at", time.time())
         return True
 
     def withdrawn(self, batch: str) -> str | None:
         return self.r.hget(self.key(batch), "withdrawn") or None
+
+    def withdrawn_at(self, batch: str) -> float | None:
+        at = self.r.hget(self.key(batch), "withdrawn_at")
+        return float(at) if at else None
+
+    def close_unstarted(self, batch: str) -> int:
+        """Record a failed result, the reason it was withdrawn (``cancelled`` or ``expired``),
+        for each of the withdrawn batch's jobs that has none, so the batch ends without a worker
+        to take them. A worker that takes one of their messages later finds its result and
+        skips it; one running it now has its answer refused as a second result. How many were
+        closed."""
+        reason = self.withdrawn(batch)
+        if reason not in ("cancelled", "expired"):
+            return 0
+        fmt = "openai" if self.r.hget(self.key(batch), "format") == "openai" else "vqueue"
+        error = JobError(type=reason, message=WITHDRAWN[reason])  # type: ignore[arg-type]
+        closed = 0
+        for ident, entry in self.r.hscan_iter(self.key(batch, "done"), count=1000):
+            if not entry:
+                timings = Timings(enqueued_at=0.0, finished_at=time.time())
+                closed += self.record(
+                    JobResult(id=ident, batch=batch, type="unknown", status="failed",
+                              timings=timings, error=error, format=fmt)
+                )  # fmt: skip
+        return closed
 
     def withdrawn_many(self, batches: list[str]) -> list[str | None]:
         pipe = self.r.pipeline(transaction=False)
@@ -479,6 +511,10 @@ class BatchStore:
         names = self.r.zrangebyscore(f"{self.prefix}:workers", time.time(), "+inf")
         values = self.r.mget([self.worker_key(n) for n in sorted(names)]) if names else []
         return [json.loads(v) for v in values if v]
+
+    def consumed(self, queue: str | None) -> bool:
+        """Whether some live worker consumes ``queue``."""
+        return any(w.get("queue") == queue for w in self.workers())
 
     def gone_workers(self, queue: str) -> list[tuple[str, float]]:
         """Workers of ``queue`` whose heartbeat ran out, and when: their own queues want

@@ -60,6 +60,20 @@ class FileObject(BaseModel):
     status_details: str | None = None
 
 
+class ModelObject(BaseModel):
+    """``GET /v1/models``: a model some live worker serves."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "vqueue"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
 class FileList(BaseModel):
     object: Literal["list"] = "list"
     data: list[FileObject]
@@ -74,6 +88,14 @@ class FileDeleted(BaseModel):
     deleted: bool
 
 
+class ExpiresAfter(BaseModel):
+    """OpenAI's expiration policy for a file: ``seconds`` after its creation, 1 hour to 30
+    days."""
+
+    anchor: Literal["created_at"] = "created_at"
+    seconds: int = Field(ge=3600, le=30 * 24 * 3600)
+
+
 class BatchCreate(BaseModel):
     """``POST /v1/batches``."""
 
@@ -81,6 +103,7 @@ class BatchCreate(BaseModel):
     endpoint: Endpoint
     completion_window: str = "24h"
     metadata: dict[str, str] | None = Field(default=None, max_length=MAX_METADATA_KEYS)
+    output_expires_after: ExpiresAfter | None = None  # else VQUEUE_API_OUTPUT_TTL_S
 
     @field_validator("metadata")
     @classmethod
@@ -141,6 +164,7 @@ class BatchObject(BaseModel):
     cancelled_at: int | None = None
     request_counts: RequestCounts = Field(default_factory=RequestCounts)
     metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = None
 
 
 class BatchList(BaseModel):

@@ -260,6 +260,10 @@ class Settings(BaseSettings):
     files_dir: str = ""
     max_file_bytes: int = Field(default=2 * 1024**3, ge=1)  # an upload past this is refused
     api_poll_s: float = Field(default=1.0, gt=0)  # how often open batches are moved along
+    # a batch's output and error files are deleted this long after they are written, unless
+    # the batch asks otherwise (``output_expires_after``); uploads keep until deleted unless
+    # they ask (``expires_after``). OpenAI keeps batch outputs 30 days
+    api_output_ttl_s: int = Field(default=30 * 24 * 3600, ge=3600)
     # one server process checks and submits a batch's input, holding a lease it renews; when
     # that process dies, another resumes the feed this long after, from where it stopped
     api_feed_lease_s: float = Field(default=30.0, ge=1)

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -28,7 +29,16 @@ from pydantic import ValidationError
 from schemas import ExtractJob
 from schemas.grammar_check import Checker, Limits
 
-from .conftest import WORKDIR, Procs, RedisServer, free_port, run_cli, wait_for, worker_env
+from .conftest import (
+    KEY_PREFIX,
+    WORKDIR,
+    Procs,
+    RedisServer,
+    free_port,
+    run_cli,
+    wait_for,
+    worker_env,
+)
 
 # Within every static bound (counts at most 32,768), yet its grammar takes about 170 MB to build.
 HUNGRY = {
@@ -161,12 +171,13 @@ def test_redis_full_loses_no_job_and_stops_no_worker(procs: Procs, tmp_path: Pat
     sent = status["total"]
     assert 0 < sent < n and "Redis is full" in status["error"], status
     # When Redis stays full while the worker runs the jobs that were sent (its limit below
-    # what it holds), Then the worker waits, both to record the jobs it has run and to take
-    # more, and stays up
+    # what it holds), Then the worker waits, both to record the jobs it has run and for one of
+    # the broker's own writes (taking a job records it unacked; acking removes it: which meets
+    # the full Redis first depends on where each thread is), and stays up
     r.config_set("maxmemory", str(r.info("memory")["used_memory"] - 512 * 1024))
     wait_for(
-        lambda: _full_waits(w, "record") and _full_waits(w, "consume"),
-        120, "the worker to wait for room to record and to take jobs",
+        lambda: _full_waits(w, "record") and (_full_waits(w, "consume") or _full_waits(w, "ack")),
+        120, "the worker to wait for room to record, and to take or ack jobs",
     )  # fmt: skip
     assert w.proc.poll() is None
     # When memory is freed
@@ -216,8 +227,11 @@ def _one_result_each(r: redis.Redis, batch: str) -> int:
 class Served:
     """A ``vqueue serve`` with a fake-engine worker behind it, its own Redis, two tenants."""
 
-    def __init__(self, url: str, keys: dict[str, str], api: Any, files: Path) -> None:
+    def __init__(
+        self, url: str, keys: dict[str, str], api: Any, files: Path, redis_url: str
+    ) -> None:
         self.url, self.keys, self.api, self.files = url, keys, api, files
+        self.redis_url = redis_url
 
     def sdk(self, tenant: str) -> Any:
         import openai
@@ -280,7 +294,7 @@ def served(module_procs: Procs, tmp_path_factory: pytest.TempPathFactory) -> Ser
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: _healthy(url), 60, "vqueue serve to answer /healthz")
-    return Served(url, keys, api, tmp)
+    return Served(url, keys, api, tmp, server.url)
 
 
 def _extract(i: int, schema: dict[str, Any]) -> dict[str, Any]:
@@ -423,6 +437,73 @@ def test_files_are_private_named_safely_and_a_deleted_input_fails_its_batch(
     assert [(e.code, e.message) for e in failed.errors.data] == [
         ("file_not_found", "the input file was deleted")
     ]
+
+
+def test_files_expire_when_asked_and_outputs_by_default(served: Served) -> None:
+    from producer.api import ApiStore
+    from schemas import Settings
+
+    sdk = served.sdk("a")
+    path = served.files / "brief.jsonl"
+    path.write_text(json.dumps({"id": "e", "type": "summarize", "text": "x"}) + "\n")
+    # Given an upload kept for an hour, as the openai SDK asks it
+    with open(path, "rb") as fh:
+        f = sdk.files.create(
+            file=fh, purpose="batch", expires_after={"anchor": "created_at", "seconds": 3600}
+        )
+    assert f.expires_at == f.created_at + 3600
+    # and a batch over it whose output is kept two hours, and one that asks nothing
+    kept = sdk.batches.create(
+        input_file_id=f.id, endpoint="/v1/vqueue/jobs", completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200},
+    )  # fmt: skip
+    plain = sdk.batches.create(
+        input_file_id=f.id, endpoint="/v1/vqueue/jobs", completion_window="24h"
+    )
+    kept_out = sdk.files.retrieve(_until(sdk, kept.id, ("completed",)).output_file_id)
+    plain_out = sdk.files.retrieve(_until(sdk, plain.id, ("completed",)).output_file_id)
+    # Then the outputs carry their expiry: two hours, and the server's 30 days by default
+    assert kept_out.expires_at == kept_out.created_at + 7200
+    assert plain_out.expires_at == plain_out.created_at + 30 * 24 * 3600
+    # and an expiry OpenAI would refuse is refused, saying what it takes
+    with open(path, "rb") as fh, pytest.raises(openai_error("BadRequestError")) as bad:
+        sdk.files.create(
+            file=fh, purpose="batch", expires_after={"anchor": "created_at", "seconds": 60}
+        )
+    assert "seconds from 3600 to 2592000" in str(bad.value)
+    # When the server's sweep runs an hour and a minute later (driven here with a clock ahead)
+    # (the store as the server holds it: its Redis, key prefix and files directory)
+    r = redis.Redis.from_url(served.redis_url, decode_responses=True)
+    settings = Settings(
+        broker_url=served.redis_url, key_prefix=KEY_PREFIX, files_dir=str(served.files / "files")
+    )
+    usage = f"{KEY_PREFIX}:api:tenant:a:usage"
+    held = int(r.hget(usage, "bytes") or 0)
+    assert ApiStore(settings).expire(now=f.created_at + 3660) == 1
+    # Then the upload is gone, record, bytes and disk; the outputs are kept
+    ids = {x.id for x in sdk.files.list().data}
+    assert f.id not in ids and {kept_out.id, plain_out.id} <= ids
+    assert not (served.files / "files" / f.id).exists()
+    assert int(r.hget(usage, "bytes") or 0) == held - f.bytes
+    with pytest.raises(openai_error("NotFoundError")):
+        sdk.files.retrieve(f.id)
+    # and two hours on, the two-hour output goes too, while the 30-day one stays
+    assert ApiStore(settings).expire(now=kept_out.created_at + 7260) == 1
+    ids = {x.id for x in sdk.files.list().data}
+    assert kept_out.id not in ids and plain_out.id in ids
+
+
+def test_models_lists_what_live_workers_serve(served: Served) -> None:
+    # Given a live worker (the fake engine names its model "fake"), Then the SDK lists it, once
+    models = served.sdk("b").models.list()
+    assert [m.id for m in models.data] == ["fake"]
+    assert models.data[0].object == "model" and models.data[0].created > 0
+
+
+def openai_error(name: str) -> type[Exception]:
+    import openai
+
+    return getattr(openai, name)  # type: ignore[no-any-return]
 
 
 def test_quotas_on_files_open_batches_and_open_jobs(module_procs: Procs, tmp_path: Path) -> None:
@@ -570,3 +651,55 @@ def test_a_feed_stops_when_its_batch_leaves_redis(procs: Procs, tmp_path: Path) 
     # Then the feed sees its batch gone and stops, having queued at most the chunk it held
     wait_for(lambda: "left Redis while it was fed" in log.read_text(), 30, "the feed to stop")
     assert r.llen("feed:9") <= 50
+
+
+def test_expiry_and_cancel_end_their_batches_with_no_worker(procs: Procs, tmp_path: Path) -> None:
+    import openai
+
+    # Given a server whose queue no worker consumes, and two 200-job batches: one with a
+    # 5-second window, one to cancel
+    server: RedisServer = procs.redis(tmp_path / "redis", aof=False)
+    key = run_cli("keys", "create", "n", VQUEUE_BROKER_URL=server.url).stdout.decode().strip()
+    _, url, _ = _serve(procs, server.url, tmp_path / "files")
+    sdk = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+    path = tmp_path / "jobs.jsonl"
+    path.write_text("".join(
+        json.dumps({"id": f"j{i}", "type": "summarize", "text": f"doc {i}"}) + "\n"
+        for i in range(200)
+    ))  # fmt: skip
+    with open(path, "rb") as fh:
+        f = sdk.files.create(file=fh, purpose="batch")
+    short = sdk.batches.create(input_file_id=f.id, endpoint="/v1/vqueue/jobs",
+                               completion_window="5s")  # fmt: skip
+    to_cancel = sdk.batches.create(input_file_id=f.id, endpoint="/v1/vqueue/jobs",
+                                   completion_window="24h")  # fmt: skip
+    _until(sdk, to_cancel.id, ("in_progress",))
+    # When the window passes, and the other is cancelled
+    sdk.batches.cancel(to_cancel.id)
+    # Then both end on time, each job failed with the reason, in the error file
+    for bid, state in ((short.id, "expired"), (to_cancel.id, "cancelled")):
+        b = _until(sdk, bid, ("expired", "cancelled", "completed", "failed"))
+        assert b.status == state, b
+        assert b.request_counts.total == 200 and b.request_counts.failed == 200, b
+        lines = [json.loads(x) for x in sdk.files.content(b.error_file_id).text.splitlines()]
+        assert len(lines) == 200 and {x["error"]["code"] for x in lines} == {state}
+    assert time.time() < short.expires_at + 30
+
+
+@pytest.mark.unit
+def test_a_check_that_cannot_start_refuses_the_schema_and_is_not_remembered() -> None:
+    # Given checks whose child has too little memory to import llguidance at all
+    checker = Checker(Limits(memory_bytes=8 << 20))
+    text = json.dumps(PLAIN)
+    try:
+        # When a schema is checked, Then it is refused, saying the check cannot run here (not
+        # blaming the schema's memory)
+        answer = checker.problem(text)
+        assert answer is not None and answer.startswith("json_schema cannot be checked here"), (
+            answer
+        )
+        # and once checks can run, the same schema passes: the refusal was not its answer
+        checker.limits = Limits()
+        assert checker.problem(text) is None
+    finally:
+        checker.close()

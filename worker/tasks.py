@@ -37,6 +37,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from protocol.store import WITHDRAWN
 from protocol.wire import task_name
 from schemas import JOB_TYPES, Envelope, JobError, JobResult, Timings
 from schemas.jobs import BATCH_PATTERN, CHECKED
@@ -141,9 +142,8 @@ def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
             metrics.duplicate(env.job.type)
             return {"id": env.job.id, "status": "duplicate"}
         worker = task.request.hostname or state.name
-        if withdrawn in ("cancelled", "expired"):  # the batch was cancelled, or ran out of time
-            why = "cancelled" if withdrawn == "cancelled" else "completion window ended"
-            message = f"not run: its batch was {why} before the job started"
+        if withdrawn in WITHDRAWN:  # the batch was cancelled, or ran out of time
+            message = WITHDRAWN[withdrawn]
             result = _failed(task, payload, withdrawn, message, env)  # type: ignore[arg-type]
         elif attempts > settings.max_deliveries:
             return _dead_letter(env, payload, attempts, worker)
