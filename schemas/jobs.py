@@ -113,7 +113,10 @@ class _JobBase(BaseModel):
     # batch work wants reproducible output, so greedy by default
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    # a 64-bit integer, as vLLM's own server bounds it: a larger one cannot be sent to the
+    # engine core (msgpack refuses it), and vLLM's frontend keeps the failed request as if it
+    # were running
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
         default_factory=list, max_length=16
     )

@@ -33,7 +33,7 @@ class ChatCompletionBody(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_OUTPUT_TOKENS)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # as _JobBase's
     stop: str | list[str] | None = None
     response_format: ResponseFormat | None = None
     metadata: dict[str, Any] | None = None

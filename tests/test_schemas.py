@@ -60,6 +60,19 @@ def test_job_schema_export_validates_real_lines() -> None:
         (line({"type": "summarize", "text": "x", "max_tokens": "many"}), "max_tokens"),
         (line({"type": "summarize", "text": "x", "colour": "red"}), "colour: Extra inputs"),
         (b'{"type": "summarize", "text": "\xff\xfe"}', "not valid UTF-8"),
+        # past 64 bits a seed cannot reach vLLM's engine core: refused at the edge
+        (line({"type": "summarize", "text": "x", "seed": 2**64}), "seed: Input should be less"),
+        (
+            line(
+                {
+                    "custom_id": "s",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {"messages": [{"role": "user", "content": "x"}], "seed": -(2**64)},
+                }
+            ),
+            "seed: Input should be greater",
+        ),  # fmt: skip
         (
             line({"type": "extract", "text": "x", "json_schema": {"type": "objekt"}}),
             "not a valid JSON Schema",
