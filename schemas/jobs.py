@@ -124,6 +124,13 @@ class _JobBase(BaseModel):
     # both to fix output length)
     min_tokens: int = Field(default=0, ge=0, le=MAX_OUTPUT_TOKENS)
     ignore_eos: bool = False
+    # OpenAI's (and vLLM's) penalties and logit bias: token id -> bias, ids of the model that
+    # answers, at most 300 as OpenAI allows
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        default=None, max_length=300
+    )
     # fail with "timeout" if still generating after this long (capped by VQUEUE_JOB_TIMEOUT_S)
     timeout_s: float | None = Field(default=None, gt=0)
     # None: the worker's per-type system prompt; "": an empty system turn; else this text
@@ -281,6 +288,11 @@ class CodegenJob(_JobBase):
     context: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
 
 
+class Unsupported(BaseModel):
+    param: str  # the body's field, as OpenAI names it
+    message: str
+
+
 class ChatJob(_JobBase):
     """Raw chat messages, the path OpenAI Batch API lines take; ``json_schema`` when the line
     asked for ``response_format: json_schema``, ``json_object`` for ``response_format:
@@ -290,6 +302,10 @@ class ChatJob(_JobBase):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     json_schema: dict[str, Any] | None = None
     json_object: bool = False
+    # an OpenAI line whose body asks for what vqueue does not do: the job is queued like any
+    # other and the worker fails it at once with this (``unsupported_parameter``), so the
+    # request fails alone and the batch goes on, as OpenAI answers such a request with a 400
+    unsupported: Unsupported | None = None
 
     _schema_ok = field_validator("json_schema")(_schema_ok)
 

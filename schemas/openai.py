@@ -11,8 +11,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .jobs import MAX_OUTPUT_TOKENS, ChatJob, ChatMessage
+from .jobs import MAX_OUTPUT_TOKENS, ChatJob, ChatMessage, Unsupported
 from .results import JobResult
+
+# Body fields that change nothing for a batch run by vqueue, taken and ignored as OpenAI's batch
+# takes them: who asked, storage and tiers, reasoning hints for models that have none here
+IGNORED_FIELDS = frozenset({
+    "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "store",
+    "service_tier", "parallel_tool_calls", "stream_options", "reasoning_effort", "verbosity",
+})  # fmt: skip
 
 
 class ResponseFormat(BaseModel):
@@ -24,8 +31,12 @@ class ResponseFormat(BaseModel):
 
 
 class ChatCompletionBody(BaseModel):
-    # unknown sampling fields (n, logit_bias, tools...) are refused rather than silently ignored
-    model_config = ConfigDict(extra="forbid")
+    """A ``/v1/chat/completions`` body as OpenAI's batch files carry it. Fields vqueue honours
+    are typed; fields that change nothing for a batch (``user``, ``store``, ...) are taken and
+    ignored, as OpenAI's own batch does; what vqueue does not do (``unsupported``) fails that
+    request alone with a 400 naming the field, and an unknown field likewise."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -37,6 +48,46 @@ class ChatCompletionBody(BaseModel):
     stop: str | list[str] | None = None
     response_format: ResponseFormat | None = None
     metadata: dict[str, Any] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    n: int | None = Field(default=None, ge=1, le=128)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    stream: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    def unsupported(self) -> Unsupported | None:
+        """The first field of this body vqueue cannot honour, and why; None when it can."""
+        asks = [
+            ("n", (self.n or 1) > 1, "returns one choice per request; n must be 1"),
+            ("logprobs", bool(self.logprobs), "does not return log probabilities"),
+            ("top_logprobs", bool(self.top_logprobs), "does not return log probabilities"),
+            ("stream", bool(self.stream), "a batch request is not streamed"),
+            ("tools", bool(self.tools), "does not call tools"),
+            ("tool_choice", self.tool_choice not in (None, "none"), "does not call tools"),
+            ("functions", bool(self.functions), "does not call functions"),
+            ("function_call", self.function_call not in (None, "none"), "does not call functions"),
+            ("modalities", any(m != "text" for m in self.modalities or []), "answers text only"),
+            ("audio", self.audio is not None, "answers text only"),
+            ("prediction", self.prediction is not None, "takes no predicted output"),
+            ("web_search_options", self.web_search_options is not None, "does not search"),
+        ]
+        for param, asked, why in asks:
+            if asked:
+                return Unsupported(param=param, message=f"{param}: vqueue {why}")
+        unknown = sorted(set(self.model_extra or {}) - IGNORED_FIELDS)
+        if unknown:
+            return Unsupported(param=unknown[0], message=f"Unrecognized request argument "
+                               f"supplied: {unknown[0]}")  # fmt: skip
+        return None
 
 
 class BatchRequestInput(BaseModel):
@@ -70,16 +121,28 @@ class BatchRequestInput(BaseModel):
             json_object=bool(b.response_format and b.response_format.type == "json_object"),
             metadata=b.metadata or {},
         )
-        if b.temperature is not None:
-            fields["temperature"] = b.temperature
-        if b.top_p is not None:
-            fields["top_p"] = b.top_p
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+            if getattr(b, name) is not None:
+                fields[name] = getattr(b, name)
+        if b.logit_bias:
+            fields["logit_bias"] = b.logit_bias
+        fields["unsupported"] = b.unsupported()
         return ChatJob.model_validate(fields)
 
 
 def output_line(result: JobResult) -> dict[str, Any]:
     """The OpenAI batch output line for one result (completed or failed)."""
     line_id = f"batch_req_{result.id}"
+    refused = result.error
+    if refused and refused.type == "unsupported_parameter":  # OpenAI's own 400 line
+        error = {"message": refused.message, "type": "invalid_request_error",
+                 "param": refused.param, "code": "unsupported_parameter"}  # fmt: skip
+        return {
+            "id": line_id,
+            "custom_id": result.id,
+            "response": {"status_code": 400, "request_id": result.id, "body": {"error": error}},
+            "error": None,
+        }
     if result.status == "failed":
         err = result.error
         return {

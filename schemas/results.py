@@ -20,6 +20,7 @@ ErrorType = Literal[
     "invalid_json",
     "engine_error",
     "invalid_job",
+    "unsupported_parameter",
     "timeout",
     "dead_letter",
     "internal_error",
@@ -39,6 +40,8 @@ ERROR_TYPES: dict[str, str] = {
     "invalid_json": "the output is not JSON",
     "engine_error": "the engine rejected or failed the request",
     "invalid_job": "the worker could not read the job",
+    "unsupported_parameter": "an OpenAI request asked for something vqueue does not do (n > 1, "
+    "logprobs, tools, an unknown field); it fails alone, with a 400 line naming the field",
     "timeout": "the job was still generating after VQUEUE_JOB_TIMEOUT_S and was aborted",
     "dead_letter": "its worker was lost, or Redis failed, every time it ran; parked in the "
     "dead-letter store",
@@ -53,6 +56,7 @@ assert set(ERROR_TYPES) == set(get_args(ErrorType))
 class JobError(BaseModel):
     type: ErrorType
     message: str
+    param: str | None = None  # unsupported_parameter: the request's field, as OpenAI names it
 
 
 class Usage(BaseModel):

@@ -289,6 +289,28 @@ def test_output_budgets_and_stop_sequences(client: Client) -> None:
     assert s.usage.completion_tokens < 64
 
 
+def test_logit_bias_and_penalties_reach_the_engine(client: Client) -> None:
+    from transformers import AutoTokenizer
+
+    from worker.models import prepare_embedded
+
+    # Given a chat line biased +100 toward one token, as an OpenAI body writes it (token ids of
+    # the model that answers, as keys), with OpenAI's penalties beside it
+    tok = AutoTokenizer.from_pretrained(prepare_embedded())
+    token = tok.encode(" honey")[0]
+    line = {"custom_id": "bias", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "Say anything."}],
+                     "max_completion_tokens": 4, "logit_bias": {str(token): 100},
+                     "presence_penalty": 0.0, "frequency_penalty": 0.0}}  # fmt: skip
+    from producer.inputs import parse_line
+
+    job = parse_line(1, json.dumps(line).encode()).job
+    # When it runs, Then every token is that one: the bias reached vLLM's sampler
+    got = _run(client, job.model_dump())["bias"]
+    assert got.status == "completed" and got.usage.completion_tokens == 4, got
+    assert got.text == tok.decode([token]) * 4, got.text
+
+
 def test_a_long_document_is_encoded_once_and_its_prompt_says_the_same() -> None:
     # Given a summarize job whose document is too long to pass the byte check (it must be
     # encoded to be measured), and the embedded model's real tokenizer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import jsonschema
 import pytest
@@ -148,6 +149,51 @@ def test_openai_line_maps_to_chat_job_with_schema() -> None:
     assert (job.id, job.type, job.max_tokens, job.temperature) == ("r1", "chat", 9, 0.3)
     assert job.json_schema == {"type": "object"}
     BatchRequestInput.model_validate(raw)
+
+
+def _guide_line(custom_id: str, **body: Any) -> bytes:
+    """A request line the way OpenAI's batch guide writes them."""
+    return line({
+        "custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Hello"}],
+                 "max_completion_tokens": 50, "user": "u-1", "n": 1, "logprobs": False,
+                 "store": False, **body},
+    })  # fmt: skip
+
+
+def test_openai_bodies_are_taken_as_openai_writes_them() -> None:
+    # Given a guide-style line: n 1, user, logprobs false, penalties and a logit bias
+    p = parse_line(1, _guide_line("ok", presence_penalty=0.5, frequency_penalty=-0.5,
+                                  logit_bias={"42": -100}, seed=7))  # fmt: skip
+    # Then it is a job, with what it asked for and nothing refused
+    job = p.job
+    assert p.error is None and job.unsupported is None, p.error
+    assert (job.max_tokens, job.seed, job.presence_penalty, job.frequency_penalty) == (
+        50,
+        7,
+        0.5,
+        -0.5,
+    )
+    assert job.logit_bias == {42: -100.0}
+    # and each thing vqueue does not do is a job that fails alone, naming its field
+    for body, param in [
+        ({"n": 2}, "n"),
+        ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"stream": True}, "stream"),
+        ({"frobnicate": 1}, "frobnicate"),
+    ]:
+        p = parse_line(1, _guide_line("x", **body))
+        assert p.error is None and p.job.unsupported.param == param, (body, p.error)
+    # When a worker fails one, Then its error-file line is the 400 OpenAI writes
+    refused = JobResult(
+        id="x", batch="b", type="chat", status="failed", timings=Timings(enqueued_at=1.0),
+        error=JobError(type="unsupported_parameter", message="n: vqueue ...", param="n"),
+    )  # fmt: skip
+    out = output_line(refused)
+    assert out["error"] is None and out["response"]["status_code"] == 400
+    assert out["response"]["body"]["error"]["param"] == "n"
+    assert out["response"]["body"]["error"]["code"] == "unsupported_parameter"
 
 
 def test_openai_output_lines_follow_the_batch_output_format() -> None:

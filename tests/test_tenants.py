@@ -500,6 +500,30 @@ def test_models_lists_what_live_workers_serve(served: Served) -> None:
     assert models.data[0].object == "model" and models.data[0].created > 0
 
 
+def test_an_openai_file_with_fields_vqueue_does_not_do_completes(served: Served) -> None:
+    # Given a chat batch written as OpenAI's guide writes them: one plain request, one asking
+    # for two choices, one for tools
+    def req(cid: str, **body: Any) -> dict[str, Any]:
+        return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "gpt-4o-mini", "user": "u", "max_completion_tokens": 8,
+                         "messages": [{"role": "user", "content": "Hi"}], **body}}  # fmt: skip
+
+    lines = [req("plain", n=1, logprobs=False), req("two", n=2), req("tool", tools=[{}])]
+    sdk, bid = served.batch("a", lines, endpoint="/v1/chat/completions")
+    # Then the batch completes: the plain request answered, the others failed alone
+    done = _until(sdk, bid, ("completed", "failed"))
+    assert done.status == "completed", done
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 2), done
+    # each with the 400 line OpenAI writes, naming the field
+    errors = {
+        x["custom_id"]: x["response"]
+        for x in map(json.loads, sdk.files.content(done.error_file_id).text.splitlines())
+    }
+    assert {k: (v["status_code"], v["body"]["error"]["param"]) for k, v in errors.items()} == {
+        "two": (400, "n"), "tool": (400, "tools"),
+    }  # fmt: skip
+
+
 def openai_error(name: str) -> type[Exception]:
     import openai
 

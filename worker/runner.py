@@ -79,6 +79,12 @@ def run_job(
         model=env.model or engine.model_name,
         prefix_key=env.prefix_key,
     )
+    if isinstance(job, ChatJob) and job.unsupported is not None:
+        result.status = "failed"
+        u = job.unsupported
+        result.error = JobError(type="unsupported_parameter", message=u.message, param=u.param)
+        result.timings.finished_at = time.time()
+        return result
     try:
         if settings.clean_input:
             job, result.input_chars_cleaned = clean_job(job)
@@ -440,7 +446,14 @@ def sampling_params(
         ignore_eos=job.ignore_eos,
         structured_outputs=structured,
         **({"repetition_detection": loops} if loops is not None else {}),
-        frequency_penalty=frequency_penalty,
+        # a retry after a loop penalizes repeats at least as much as the job asked
+        frequency_penalty=(
+            max(frequency_penalty, job.frequency_penalty)
+            if frequency_penalty
+            else job.frequency_penalty
+        ),
+        presence_penalty=job.presence_penalty,
+        logit_bias=job.logit_bias or None,
         # Only the final output crosses back to the task thread: no per-token work in Python.
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
