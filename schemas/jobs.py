@@ -128,9 +128,9 @@ class _JobBase(BaseModel):
     # answers, at most 300 as OpenAI allows
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
-        default=None, max_length=300
-    )
+    logit_bias: (
+        dict[Annotated[int, Field(ge=0, lt=2**31)], Annotated[float, Field(ge=-100, le=100)]] | None
+    ) = Field(default=None, max_length=300)
     # fail with "timeout" if still generating after this long (capped by VQUEUE_JOB_TIMEOUT_S)
     timeout_s: float | None = Field(default=None, gt=0)
     # None: the worker's per-type system prompt; "": an empty system turn; else this text

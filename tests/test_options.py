@@ -305,10 +305,16 @@ def test_logit_bias_and_penalties_reach_the_engine(client: Client) -> None:
     from producer.inputs import parse_line
 
     job = parse_line(1, json.dumps(line).encode()).job
-    # When it runs, Then every token is that one: the bias reached vLLM's sampler
-    got = _run(client, job.model_dump())["bias"]
-    assert got.status == "completed" and got.usage.completion_tokens == 4, got
-    assert got.text == tok.decode([token]) * 4, got.text
+    # and one biased toward a token id the model does not have
+    outside = {**job.model_dump(), "id": "outside", "logit_bias": {10**8: 5}}
+    # When they run, Then every token of the first is that one: the bias reached vLLM's sampler
+    got = _run(client, job.model_dump(), outside)
+    assert got["bias"].status == "completed" and got["bias"].usage.completion_tokens == 4
+    assert got["bias"].text == tok.decode([token]) * 4, got["bias"].text
+    # and vLLM refused the second, which failed alone, saying why
+    refused = got["outside"]
+    assert refused.status == "failed" and refused.error is not None, refused
+    assert refused.error.type == "engine_error" and "out-of-vocab" in refused.error.message
 
 
 def test_a_long_document_is_encoded_once_and_its_prompt_says_the_same() -> None:
