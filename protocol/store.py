@@ -368,8 +368,9 @@ class BatchStore:
         return int(self._take(keys=[key], args=args)) / 1000
 
     # -- worker side
-    def record(self, result: JobResult) -> bool:
-        """Store one result; False if this job already had one (duplicate delivery)."""
+    def record(self, result: JobResult, pipe: Any = None) -> bool:
+        """Store one result; False if this job already had one (duplicate delivery). Given a
+        pipeline, the call joins it and its answer comes with the pipeline's."""
         keys = [
             self.key(result.batch),
             self.key(result.batch, "done"),
@@ -378,7 +379,7 @@ class BatchStore:
         field = "completed" if result.status == "completed" else "failed"
         args = [result.id, result.model_dump_json(), field, self.ttl_s, time.time()]
         args += [result.usage.prompt_tokens, result.usage.cached_tokens]
-        return bool(self._record(keys=keys, args=args))
+        return bool(self._record(keys=keys, args=args, client=pipe or self.r))
 
     # -- reading
     def status(self, batch: str) -> BatchStatus | None:
@@ -470,15 +471,20 @@ class BatchStore:
             return 0
         fmt = "openai" if self.r.hget(self.key(batch), "format") == "openai" else "vqueue"
         error = JobError(type=reason, message=WITHDRAWN[reason])  # type: ignore[arg-type]
-        closed = 0
-        for ident, entry in self.r.hscan_iter(self.key(batch, "done"), count=1000):
-            if not entry:
+        closed, cursor = 0, 0
+        while True:  # a page of ids at a time, their results in one round trip
+            cursor, page = self.r.hscan(self.key(batch, "done"), cursor, count=1000)
+            pipe = self.r.pipeline(transaction=False)
+            for ident in (i for i, entry in page.items() if not entry):
                 timings = Timings(enqueued_at=0.0, finished_at=time.time())
-                closed += self.record(
+                self.record(
                     JobResult(id=ident, batch=batch, type="unknown", status="failed",
-                              timings=timings, error=error, format=fmt)
+                              timings=timings, error=error, format=fmt),
+                    pipe,
                 )  # fmt: skip
-        return closed
+            closed += sum(map(int, pipe.execute()))
+            if not cursor:
+                return closed
 
     def withdrawn_many(self, batches: list[str]) -> list[str | None]:
         pipe = self.r.pipeline(transaction=False)

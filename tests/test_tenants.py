@@ -680,8 +680,8 @@ def test_a_feed_stops_when_its_batch_leaves_redis(procs: Procs, tmp_path: Path) 
 def test_expiry_and_cancel_end_their_batches_with_no_worker(procs: Procs, tmp_path: Path) -> None:
     import openai
 
-    # Given a server whose queue no worker consumes, and two 200-job batches: one with a
-    # 5-second window, one to cancel
+    # Given a server whose queue no worker consumes, and two 1,500-job batches (more ids than
+    # one page of the server's scan): one with a 5-second window, one to cancel
     server: RedisServer = procs.redis(tmp_path / "redis", aof=False)
     key = run_cli("keys", "create", "n", VQUEUE_BROKER_URL=server.url).stdout.decode().strip()
     _, url, _ = _serve(procs, server.url, tmp_path / "files")
@@ -689,7 +689,7 @@ def test_expiry_and_cancel_end_their_batches_with_no_worker(procs: Procs, tmp_pa
     path = tmp_path / "jobs.jsonl"
     path.write_text("".join(
         json.dumps({"id": f"j{i}", "type": "summarize", "text": f"doc {i}"}) + "\n"
-        for i in range(200)
+        for i in range(1500)
     ))  # fmt: skip
     with open(path, "rb") as fh:
         f = sdk.files.create(file=fh, purpose="batch")
@@ -704,9 +704,9 @@ def test_expiry_and_cancel_end_their_batches_with_no_worker(procs: Procs, tmp_pa
     for bid, state in ((short.id, "expired"), (to_cancel.id, "cancelled")):
         b = _until(sdk, bid, ("expired", "cancelled", "completed", "failed"))
         assert b.status == state, b
-        assert b.request_counts.total == 200 and b.request_counts.failed == 200, b
+        assert b.request_counts.total == 1500 and b.request_counts.failed == 1500, b
         lines = [json.loads(x) for x in sdk.files.content(b.error_file_id).text.splitlines()]
-        assert len(lines) == 200 and {x["error"]["code"] for x in lines} == {state}
+        assert len(lines) == 1500 and {x["error"]["code"] for x in lines} == {state}
     assert time.time() < short.expires_at + 30
 
 
