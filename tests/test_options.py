@@ -437,7 +437,8 @@ import json, sys
 from vllm import LLM, SamplingParams
 
 if __name__ == "__main__":  # vLLM starts its engine core in a process of its own
-    llm = LLM(model=sys.argv[1], max_model_len=1024, kv_cache_memory_bytes=256 * 1024**2, seed=0)
+    llm = LLM(model=sys.argv[1], max_model_len=1024, kv_cache_memory_bytes=256 * 1024**2, seed=0,
+              enforce_eager=True)  # as the worker runs on a CPU: no compile to wait for
     tok = llm.get_tokenizer()
     asks = ["Write two lines about the sea in Chinese.", "Ecris une phrase sur le café.",
             "Напиши предложение о зиме.", "List three emoji and what they mean.",
