@@ -156,7 +156,9 @@ def test_redis_full_loses_no_job_and_stops_no_worker(procs: Procs, tmp_path: Pat
     r = redis.Redis.from_url(server.url, decode_responses=True)
     w = procs.fake_worker("full", server.url, delay=0.05, concurrency=32, queue="full")
     w.wait_ready(r)
-    n = 20_000
+    # 20,000 in CI; the 100,000 with VQUEUE_TEST_REDIS_FULL_JOBS=100000
+    n = int(os.environ.get("VQUEUE_TEST_REDIS_FULL_JOBS", "20000"))
+    slow = max(1.0, n / 20_000)  # waits grow with the batch
     jobs = tmp_path / "jobs.jsonl"
     _write_jobs(jobs, n)
     r.config_set("maxmemory", str(r.info("memory")["used_memory"] + 6 * 1024**2))
@@ -183,12 +185,13 @@ def test_redis_full_loses_no_job_and_stops_no_worker(procs: Procs, tmp_path: Pat
     # When memory is freed
     r.config_set("maxmemory", "0")
     # Then every job that was sent ends with exactly one result, and the worker is still up
-    wait_for(lambda: _done(r, batch) >= sent, 300, "the sent jobs to finish")
+    wait_for(lambda: _done(r, batch) >= sent, 300 * slow, "the sent jobs to finish")
     assert _one_result_each(r, batch) == sent
     assert w.proc.poll() is None
     assert "Unrecoverable" not in w.log_path.read_text()
     # and submitting the same file again into the batch sends only the rest: all n, once each
-    again = _cli("submit", str(jobs), "--batch", batch, "--wait", "--quiet", url=server.url)
+    again = _cli("submit", str(jobs), "--batch", batch, "--wait", "--quiet", url=server.url,
+                 timeout=300 * slow)  # fmt: skip
     assert again.returncode == 0, again.stderr.decode()
     assert _one_result_each(r, batch) == n
     assert w.proc.poll() is None
