@@ -227,7 +227,6 @@ def test_a_short_completion_window_expires_the_batch_with_partial_output(
     assert counts.completed >= 1 and counts.failed >= 1 and counts.completed + counts.failed == 60
     assert {x["error"]["code"] for x in _lines(sdk, done.error_file_id)} == {"expired"}
     assert len(list(_lines(sdk, done.output_file_id))) == counts.completed
-    assert time.time() >= b.expires_at
 
 
 def test_vqueue_cancel_withdraws_a_batch_submitted_by_the_client(client: Any) -> None:

@@ -39,7 +39,6 @@ def test_fifty_schemas_completed_means_valid(client: Client) -> None:
     # Given 50 schemas (nested objects, bounded arrays, enums, numbers, integers, booleans,
     # nullable and optional fields, $defs/$ref, string formats) over ten realistic texts
     jobs = cases()
-    assert len(jobs) == 50
     got = _run(client, jobs)
     counts: Counter[str] = Counter()
     outcomes = {}
