@@ -208,6 +208,19 @@ class ApiStore:
     def path(self, fid: str) -> Path:
         return self.dir / fid
 
+    def lines_over(self, fid: str, limit: int) -> bool:
+        """Whether the file holds more than ``limit`` non-blank lines; reads no further."""
+        n = 0
+        try:
+            with open(self.path(fid), "rb") as fh:
+                for line in fh:
+                    n += bool(line.strip())
+                    if n > limit:
+                        return True
+        except FileNotFoundError:  # validation reports it as file_not_found
+            return False
+        return False
+
     def files(self, tenant: str) -> list[FileObject]:
         ids = self.r.zrevrange(f"{self.p}:tenant:{tenant}:files", 0, -1)
         pipe = self.r.pipeline(transaction=False)  # one round trip for the whole list
@@ -895,6 +908,14 @@ def create_app(settings: Settings | None = None) -> Any:
             raise fail(404, f"no file {req.input_file_id!r}")
         if f.purpose != "batch":
             raise fail(400, "the input file's purpose must be 'batch'")
+        limit = s.api_max_batch_requests
+        if await run_in_threadpool(store.lines_over, req.input_file_id, limit):
+            raise HTTPException(400, {
+                "message": f"the input file has more than {limit} requests, the most one batch "
+                "takes (VQUEUE_API_MAX_BATCH_REQUESTS); split it",
+                "type": "invalid_request_error", "param": "input_file_id",
+                "code": "too_many_requests",
+            })  # fmt: skip
         open_batches = (await run_in_threadpool(store.usage, who))[2]
         if open_batches >= s.api_max_open_batches:
             raise fail(429, f"this tenant has {open_batches} batches not ended, its quota",

@@ -258,7 +258,10 @@ class Settings(BaseSettings):
     # -- the HTTP API (`vqueue serve`, producer/api.py; docs/http-api.md)
     # where uploaded input files and written output files are kept ("" : the user cache)
     files_dir: str = ""
-    max_file_bytes: int = Field(default=2 * 1024**3, ge=1)  # an upload past this is refused
+    # an upload past this many bytes is refused, and a batch over a file of more requests:
+    # OpenAI's own limits by default (200 MB, 50,000), raised for bulk work
+    max_file_bytes: int = Field(default=200 * 1024**2, ge=1)
+    api_max_batch_requests: int = Field(default=50_000, ge=1)
     api_poll_s: float = Field(default=1.0, gt=0)  # how often open batches are moved along
     # a batch's output and error files are deleted this long after they are written, unless
     # the batch asks otherwise (``output_expires_after``); uploads keep until deleted unless

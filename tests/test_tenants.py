@@ -289,7 +289,7 @@ def served(module_procs: Procs, tmp_path_factory: pytest.TempPathFactory) -> Ser
     env = worker_env(
         "full", VQUEUE_BROKER_URL=server.url, VQUEUE_FILES_DIR=str(tmp / "files"),
         VQUEUE_API_POLL_S="0.2", VQUEUE_SCHEMA_CHECK_MEMORY_MB="150",
-        VQUEUE_MAX_FILE_BYTES=str(4 << 20),
+        VQUEUE_MAX_FILE_BYTES=str(4 << 20), VQUEUE_API_MAX_BATCH_REQUESTS="100",
     )  # fmt: skip
     api = module_procs.popen(
         [sys.executable, "-m", "producer.cli", "serve", "--port", str(port)],
@@ -525,6 +525,25 @@ def test_an_openai_file_with_fields_vqueue_does_not_do_completes(served: Served)
     assert {k: (v["status_code"], v["body"]["error"]["param"]) for k, v in errors.items()} == {
         "two": (400, "n"), "tool": (400, "tools"),
     }  # fmt: skip
+
+
+def test_a_file_of_more_requests_than_a_batch_takes_is_refused(served: Served) -> None:
+    import openai
+
+    # Given a server taking 100 requests a batch, and a file of 101
+    sdk = served.sdk("a")
+    path = served.files / "many.jsonl"
+    path.write_text("".join(
+        json.dumps({"id": f"m{i}", "type": "summarize", "text": "x"}) + "\n" for i in range(101)
+    ))  # fmt: skip
+    with open(path, "rb") as fh:
+        f = sdk.files.create(file=fh, purpose="batch")
+    # When a batch is made of it, Then it is refused at once, naming the limit and the setting
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.batches.create(input_file_id=f.id, endpoint="/v1/vqueue/jobs", completion_window="24h")
+    assert refused.value.code == "too_many_requests"
+    assert "more than 100 requests" in str(refused.value)
+    assert "VQUEUE_API_MAX_BATCH_REQUESTS" in str(refused.value)
 
 
 def openai_error(name: str) -> type[Exception]:
