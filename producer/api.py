@@ -32,7 +32,7 @@ import redis
 from pydantic import ValidationError
 
 from protocol.store import BatchStore
-from schemas import Envelope, JobResult, Settings, get_settings, output_line
+from schemas import BatchStatus, Envelope, JobResult, Settings, get_settings, output_line
 from schemas.api import (
     FINAL_STATES,
     BatchCreate,
@@ -40,6 +40,7 @@ from schemas.api import (
     BatchErrors,
     BatchList,
     BatchObject,
+    BatchUsage,
     ExpiresAfter,
     FileDeleted,
     FileList,
@@ -607,20 +608,14 @@ class Batches:
         if st is None:  # the batch store expired it
             return self._update(tenant, bid, status="expired", expired_at=int(time.time()))
         now = int(time.time())
-        changes: dict[str, Any] = {
-            "request_counts": RequestCounts(
-                total=b.request_counts.total, completed=st.completed, failed=st.failed
-            )
-        }
+        changes = _progress(b, st)
         expiring = self.store.batches.withdrawn(bid) == "expired"
         if b.status == "in_progress" and b.expires_at and now >= b.expires_at and not expiring:
             self.store.batches.withdraw(bid, "expired")
         sealed = self.store.batches.is_sealed(bid)
         if sealed and st.done < st.total and self._close_withdrawn(bid):
             st = self.store.batches.status(bid) or st
-            changes["request_counts"] = RequestCounts(
-                total=b.request_counts.total, completed=st.completed, failed=st.failed
-            )
+            changes = _progress(b, st)
         if not (sealed and st.done >= st.total):
             if changes["request_counts"] == b.request_counts:
                 return b  # nothing new: no write (the loop visits every open batch each tick)
@@ -709,6 +704,17 @@ class Batches:
             after = page[-1][0]
             for _entry, r in page:
                 yield r
+
+
+def _progress(b: BatchObject, st: BatchStatus) -> dict[str, Any]:
+    """The batch object's counts, tokens and model, from the batch store's counters."""
+    usage = BatchUsage(
+        input_tokens=st.prompt_tokens,
+        output_tokens=st.completion_tokens,
+        total_tokens=st.prompt_tokens + st.completion_tokens,
+    )
+    counts = RequestCounts(total=b.request_counts.total, completed=st.completed, failed=st.failed)
+    return {"request_counts": counts, "usage": usage, "model": st.model}
 
 
 def vqueue_line(r: JobResult) -> dict[str, Any]:

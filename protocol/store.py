@@ -37,7 +37,8 @@ from schemas.jobs import BATCH_PATTERN
 from schemas.templates import Template
 
 # KEYS: batch hash, done hash, results stream. ARGV: job id, result json, status field, ttl,
-# now, prompt tokens, prompt tokens served from the prefix cache.
+# now, prompt tokens, prompt tokens served from the prefix cache, completion tokens, the model
+# that answered ("" for none).
 _RECORD = """
 local done = redis.call('HGET', KEYS[2], ARGV[1])
 if done and done ~= '' then return 0 end
@@ -46,6 +47,8 @@ redis.call('HSET', KEYS[2], ARGV[1], entry)
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
 redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[6])
 redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[7])
+redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[8])
+if ARGV[9] ~= '' then redis.call('HSET', KEYS[1], 'model', ARGV[9]) end
 redis.call('HSET', KEYS[1], 'updated_at', ARGV[5])
 for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
 return 1
@@ -379,6 +382,7 @@ class BatchStore:
         field = "completed" if result.status == "completed" else "failed"
         args = [result.id, result.model_dump_json(), field, self.ttl_s, time.time()]
         args += [result.usage.prompt_tokens, result.usage.cached_tokens]
+        args += [result.usage.completion_tokens, result.model or ""]
         return bool(self._record(keys=keys, args=args, client=pipe or self.r))
 
     # -- reading
@@ -396,6 +400,8 @@ class BatchStore:
             updated_at=float(h["updated_at"]) if h.get("updated_at") else None,
             prompt_tokens=int(h.get("prompt_tokens", 0)),
             cached_tokens=int(h.get("cached_tokens", 0)),
+            completion_tokens=int(h.get("completion_tokens", 0)),
+            model=h.get("model") or None,
             error=h.get("error") or None,
         )
 

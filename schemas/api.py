@@ -143,6 +143,15 @@ class RequestCounts(BaseModel):
     failed: int = 0
 
 
+class BatchUsage(BaseModel):
+    """Tokens of the batch's finished requests, as OpenAI's batch object reports them (what
+    the prefix cache served is not told: it would say what other requests held)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    total_tokens: int = 0
+
+
 class BatchObject(BaseModel):
     id: str
     object: Literal["batch"] = "batch"
@@ -163,6 +172,8 @@ class BatchObject(BaseModel):
     cancelling_at: int | None = None
     cancelled_at: int | None = None
     request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    model: str | None = None  # the model that answered its requests
+    usage: BatchUsage | None = None
     metadata: dict[str, str] | None = None
     output_expires_after: ExpiresAfter | None = None
 

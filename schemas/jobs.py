@@ -349,7 +349,7 @@ class Envelope(BaseModel):
     batch: str = Field(pattern=BATCH_PATTERN)
     # "openai" when the line came in OpenAI Batch API form: results go back out in that form
     format: Literal["vqueue", "openai"] = "vqueue"
-    # the OpenAI request's "model" field, echoed in the response body
+    # the OpenAI request's "model" field, as asked; the result names the model that answered
     model: str | None = None
     enqueued_at: float
     # jobs with one key share a prompt prefix (``prefix_key``); filled in when not given

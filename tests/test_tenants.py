@@ -525,6 +525,13 @@ def test_an_openai_file_with_fields_vqueue_does_not_do_completes(served: Served)
     assert {k: (v["status_code"], v["body"]["error"]["param"]) for k, v in errors.items()} == {
         "two": (400, "n"), "tool": (400, "tools"),
     }  # fmt: skip
+    # and the answer, the batch and its usage name the model that answered, not the one asked
+    (answer,) = map(json.loads, sdk.files.content(done.output_file_id).text.splitlines())
+    assert answer["response"]["body"]["model"] == "fake" and done.model == "fake"
+    usage = answer["response"]["body"]["usage"]
+    assert done.usage.output_tokens == usage["completion_tokens"] == 2, done.usage
+    assert done.usage.input_tokens == usage["prompt_tokens"] > 0, done.usage
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
 
 
 def test_a_file_of_more_requests_than_a_batch_takes_is_refused(served: Served) -> None:

@@ -76,7 +76,7 @@ def run_job(
         worker=worker,
         metadata=job.metadata,
         format=env.format,
-        model=env.model or engine.model_name,
+        model=engine.model_name,  # the model that answers, whatever the line asked for
         prefix_key=env.prefix_key,
     )
     if isinstance(job, ChatJob) and job.unsupported is not None:
