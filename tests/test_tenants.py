@@ -156,8 +156,8 @@ def test_redis_full_loses_no_job_and_stops_no_worker(procs: Procs, tmp_path: Pat
     r = redis.Redis.from_url(server.url, decode_responses=True)
     w = procs.fake_worker("full", server.url, delay=0.05, concurrency=32, queue="full")
     w.wait_ready(r)
-    # 20,000 in CI; the 100,000 with VQUEUE_TEST_REDIS_FULL_JOBS=100000
-    n = int(os.environ.get("VQUEUE_TEST_REDIS_FULL_JOBS", "20000"))
+    # 20,000 in CI; the 100,000 with VQTEST_REDIS_FULL_JOBS=100000
+    n = int(os.environ.get("VQTEST_REDIS_FULL_JOBS", "20000"))
     slow = max(1.0, n / 20_000)  # waits grow with the batch
     jobs = tmp_path / "jobs.jsonl"
     _write_jobs(jobs, n)
