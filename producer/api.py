@@ -31,7 +31,7 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from protocol.store import BatchStore
+from protocol.store import BatchStore, refused_for_memory
 from schemas import BatchStatus, Envelope, JobResult, Settings, get_settings, output_line
 from schemas.api import (
     FINAL_STATES,
@@ -830,9 +830,9 @@ def create_app(settings: Settings | None = None) -> Any:
         """Ready when Redis takes a write: a full Redis answers PING but refuses every batch."""
         try:
             store.r.set(f"{store.p}:healthz", str(time.time()), ex=60)
-        except redis.exceptions.OutOfMemoryError:
-            raise fail(503, "redis is full (maxmemory): it refuses writes") from None
         except Exception as exc:
+            if refused_for_memory(exc):
+                raise fail(503, "redis is full (maxmemory): it refuses writes") from None
             raise fail(503, f"redis: {type(exc).__name__}") from None
         return {"status": "ok", "workers": len(store.batches.workers())}
 

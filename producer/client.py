@@ -22,7 +22,7 @@ import redis
 from pydantic import TypeAdapter
 
 from protocol.routing import Router
-from protocol.store import BatchStore
+from protocol.store import BatchStore, refused_for_memory
 from schemas import BatchStatus, Envelope, Job, JobResult, Settings, get_settings
 
 log = logging.getLogger("vqueue")
@@ -312,7 +312,7 @@ class Client:
         return b
 
     def _stopped(self, batch_id: str, sent: int, exc: redis.RedisError) -> SubmissionStopped:
-        if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        if refused_for_memory(exc):
             why = "Redis is full (maxmemory) and refused the next jobs"
         else:
             why = f"Redis refused the next jobs ({type(exc).__name__}: {exc})"

@@ -76,10 +76,12 @@ return flags
 
 # KEYS: batch hash, done hash, then the queue lists. ARGV: ttl, the feed's position after this
 # chunk ("" for none), then per job: its id, the index in KEYS of its list, its message. Claims
-# each id as _CLAIM does and pushes the message of each not yet done, in one step: Redis runs a
-# script whole or, when out of memory (the ``#!lua`` line asks for that check up front), not at
-# all, so a chunk is never counted without its messages in the queue, nor its position moved.
-_CLAIM_SEND = """#!lua
+# each id as _CLAIM does and pushes the message of each not yet done, in one step. Redis (6 and
+# 7 alike) refuses a script's write for memory only until its first write has run, and the first
+# command here is a write: out of memory, the chunk is refused before anything is written, else
+# it runs whole. So a chunk is never counted without its messages in the queue, nor its position
+# moved.
+_CLAIM_SEND = """
 local flags, new = {}, 0
 for i = 3, #ARGV, 3 do
   local id, flag = ARGV[i], -1
@@ -98,12 +100,14 @@ return flags
 """
 
 # KEYS: batch hash. ARGV: why submission stopped, lines rejected. Seals the batch with that
-# reason; allowed when Redis is out of memory, since that is when it is needed (a few bytes).
-_STOPPED = """#!lua flags=allow-oom
+# reason. On Redis 7 and later the ``allow-oom`` flag lets it write when Redis is out of memory,
+# since that is when it is needed (a few bytes); Redis 6 reads no flags, and refuses it then.
+_STOPPED_BODY = """
 redis.call('HSET', KEYS[1], 'error', ARGV[1], 'sealed', 1)
 if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[1], 'rejected', ARGV[2]) end
 return 1
 """
+_STOPPED = "#!lua flags=allow-oom" + _STOPPED_BODY
 
 # KEYS: batch hash, done hash, results stream, attempts hash. ARGV: job id.
 # Undo a job's result so it can run again (dead-letter requeue): 1 if there was one.
@@ -156,6 +160,18 @@ WITHDRAWN = {
     "cancelled": "not run: its batch was cancelled before the job started",
     "expired": "not run: its batch's completion window ended before the job started",
 }
+
+
+def refused_for_memory(exc: BaseException) -> bool:
+    """Whether Redis refused a write for ``maxmemory``: ``OutOfMemoryError`` for a command, and
+    for a script on Redis 7; Redis 6 reports a script's refusal as a ``ResponseError`` that
+    quotes the ``OOM`` error inside it."""
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return True
+    return isinstance(exc, redis.exceptions.ResponseError) and "-OOM command not allowed" in str(
+        exc
+    )
+
 
 POOL_CONNECTIONS = 64  # per process; threads beyond it queue for a connection
 TEMPLATE_CHECK_S = 5.0  # for a template's examples against its schema, at registration
@@ -230,6 +246,8 @@ class BatchStore:
         self._claim = client.register_script(_CLAIM)
         self._claim_send = client.register_script(_CLAIM_SEND)
         self._stopped = client.register_script(_STOPPED)
+        self._stopped_unflagged = client.register_script(_STOPPED_BODY)
+        self._flags: bool | None = None  # whether this Redis reads script flags (7 and later)
         self._forget = client.register_script(_FORGET)
         self._take = client.register_script(_TAKE)
 
@@ -326,7 +344,8 @@ class BatchStore:
         """``claim`` and push in one step, where the queues live in this Redis: each of
         ``jobs`` is (job id, queue list, message); its message is pushed unless its id is done
         (flag -1). ``fed``: how many of the input's jobs are sent once this chunk is, recorded
-        with it (``fed_position``). All or nothing: ``redis.OutOfMemoryError`` means none was
+        with it (``fed_position``). All or nothing: a refusal for memory
+        (``refused_for_memory``) means none was
         claimed or sent, and the position did not move."""
         lists = list(dict.fromkeys(key for _, key, _ in jobs))
         at = {key: i + 3 for i, key in enumerate(lists)}  # Lua counts KEYS from 1
@@ -343,9 +362,14 @@ class BatchStore:
 
     def stop_submission(self, batch: str, reason: str, rejected: int = 0) -> None:
         """Seal a batch whose submission stopped early, saying why (``BatchStatus.error``):
-        what was enqueued still runs and the batch ends when it has. Works when Redis is out
-        of memory, the usual reason."""
-        self._stopped(keys=[self.key(batch)], args=[reason[:2000], rejected])
+        what was enqueued still runs and the batch ends when it has. Works when Redis 7 or
+        later is out of memory, the usual reason; Redis 6 refuses it then
+        (``refused_for_memory``)."""
+        if self._flags is None:
+            version = str(self.r.info("server").get("redis_version", "7"))
+            self._flags = int(version.split(".")[0]) >= 7
+        script = self._stopped if self._flags else self._stopped_unflagged
+        script(keys=[self.key(batch)], args=[reason[:2000], rejected])
 
     def delete(self, batch: str) -> None:
         parts = ("", "done", "results", "attempts")

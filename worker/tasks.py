@@ -29,7 +29,6 @@ from celery.exceptions import Reject
 from pydantic import ValidationError
 from redis.exceptions import (
     BusyLoadingError,
-    OutOfMemoryError,
     ReadOnlyError,
     RedisError,
     TryAgainError,
@@ -37,7 +36,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from protocol.store import WITHDRAWN
+from protocol.store import WITHDRAWN, refused_for_memory
 from protocol.wire import task_name
 from schemas import JOB_TYPES, Envelope, JobError, JobResult, Timings
 from schemas.jobs import BATCH_PATTERN, CHECKED
@@ -98,7 +97,9 @@ def while_full(op: str, call: Callable[[], T]) -> T:
     while True:
         try:
             done = call()
-        except OutOfMemoryError:
+        except RedisError as exc:
+            if not refused_for_memory(exc):
+                raise
             metrics.REDIS_FULL_WAITS.labels(op).inc()
             if not refused:
                 log.error("Redis is full (maxmemory): %s waits for room", op)
