@@ -683,11 +683,11 @@ class Batches:
                 (ok if kind == "ok" else err).write(json.dumps(line) + "\n")
                 counts[kind] += 1
         got: dict[str, str | None] = {}
-        ttl = b.output_expires_after.seconds if b.output_expires_after else None
+        after = b.output_expires_after
+        ttl = after.seconds if after else self.settings.api_output_ttl_s
         for k in names:
             size = os.path.getsize(self.store.path(ids[k]))
             if counts[k]:
-                ttl = ttl or self.settings.api_output_ttl_s
                 self.store.register(tenant, ids[k], names[k], "batch_output", size, ttl)
                 got[k] = ids[k]
             else:
