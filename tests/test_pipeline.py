@@ -231,7 +231,8 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
         assert set(line) == {"id", "custom_id", "response", "error"} and line["error"] is None
         assert line["response"]["status_code"] == 200
         body = line["response"]["body"]
-        assert body["object"] == "chat.completion" and body["model"] == "smol"
+        # the model that answered, not the "smol" the line asked for
+        assert body["object"] == "chat.completion" and body["model"] == "smollm2-135m-instruct"
         assert body["choices"][0]["message"]["content"]
         assert body["usage"]["total_tokens"] > 0
     data = json.loads(got["q2"]["response"]["body"]["choices"][0]["message"]["content"])
