@@ -577,7 +577,8 @@ class Frontend:
         """Start requests on the loop by priority (higher first), then in arrival order,
         ``ADMIT_PER_TICK`` at a time: on a busy GPU the loop falls behind, and a plain
         ``call_soon_threadsafe`` would join the end of its callback queue, where a priority-9
-        job waited 5 s behind ~400 bulk requests (vLLM's scheduler showing Waiting 0)."""
+        job would wait behind every bulk request queued before it while vLLM's scheduler, which
+        orders by priority, has not yet seen it."""
         priority = args[3]
         with self._lock:
             self._owner[rid] = link

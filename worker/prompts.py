@@ -1,8 +1,8 @@
 """Prompt building per job type, and reading the answer back (code blocks).
 
 System prompts are deliberately short (the defaults live in ``Settings``): every system-prompt
-token is prefilled for every job, and the seed notes measured a verbose 300-character one adding
-~0.2 s to the first token.
+token is prefilled for every job, so a verbose one delays every job's first token
+(docs/benchmarks.md, `gpu-options-2026-11-29.json`).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ _ASCII_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 def _clean_already(text: str) -> bool:
     """True when ``clean`` would change nothing, found with substring scans (most documents):
-    the seven regex passes cost 6 ms on a 32K-token document, these a tenth of that."""
+    the substring scans cost a fraction of the seven regex passes on a long document."""
     return (
         text.isascii()
         and "\t" not in text

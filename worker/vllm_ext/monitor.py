@@ -1,8 +1,9 @@
 """The confidence monitor inside vLLM's engine process: the per-step rule on the logits, as one
 Triton kernel on a GPU, and the ways it is put into whichever model runner vLLM builds.
 
-Asking vLLM for ``logprobs`` costs 44% of throughput on the GPU (a full log-softmax, a top-k and
-a host copy per token, then Python objects per token in the frontend). The monitor instead runs
+Asking vLLM for ``logprobs`` costs a large share of throughput on the GPU (a full log-softmax,
+a top-k and a host copy per token, then Python objects per token in the frontend;
+docs/early-stop.md). The monitor instead runs
 inside the engine step, on the logits before sampling: per watched row it reads the logits once
 for the top-1 logprob (max minus logsumexp), keeps running counters on the device, and never
 synchronizes with the host. The worker's side (the board it reads, the marker token, what a
