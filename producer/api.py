@@ -192,11 +192,13 @@ class ApiStore:
         pipe = self.r.pipeline(transaction=False)
         for i in ids:
             pipe.hget(f"{self.p}:batch:{i}", "obj")
+            pipe.hmget(self.batches.key(i), "completed", "failed")
+        replies = pipe.execute()
         left = 0
-        for raw in pipe.execute():
+        for raw, (completed, failed) in zip(replies[::2], replies[1::2], strict=True):
             if raw:
-                c = BatchObject.model_validate_json(raw).request_counts
-                left += max(c.total - c.completed - c.failed, 0)
+                total = BatchObject.model_validate_json(raw).request_counts.total
+                left += max(total - int(completed or 0) - int(failed or 0), 0)
         return left
 
     def file(self, tenant: str, fid: str) -> FileObject | None:
@@ -281,12 +283,14 @@ class ApiStore:
                     b = BatchObject.model_validate_json(h["obj"])
                     if b.status in unless:
                         pipe.reset()
-                        return b
+                        return self._live(b)
                     b = b.model_copy(update=changes)
+                    if b.status in FINAL_STATES and "request_counts" not in changes:
+                        b = self._counted(b)  # an ended batch keeps its last counts
                     pipe.multi()
                     self.save(h["tenant"], b, pipe)
                     pipe.execute()
-                    return b
+                    return self._live(b)
                 except redis.WatchError:
                     continue
 
@@ -295,7 +299,19 @@ class ApiStore:
         h = self.r.hgetall(f"{self.p}:batch:{bid}")
         if not h or (tenant is not None and h.get("tenant") != tenant):
             return None
-        return h["tenant"], BatchObject.model_validate_json(h["obj"])
+        return h["tenant"], self._live(BatchObject.model_validate_json(h["obj"]))
+
+    def _live(self, b: BatchObject) -> BatchObject:
+        """An open batch's counts, tokens and model, read from the batch store's own fields,
+        which every worker increments as it records a result. The stored object takes them
+        only when the batch ends: a batch in progress is never rewritten for its counts."""
+        if b.status in FINAL_STATES or b.status == "validating":
+            return b
+        return self._counted(b)
+
+    def _counted(self, b: BatchObject) -> BatchObject:
+        st = self.batches.status(b.id)
+        return b if st is None else b.model_copy(update=_progress(b, st))
 
     def batch_ids(self, tenant: str) -> list[str]:
         return list(self.r.zrevrange(f"{self.p}:tenant:{tenant}:batches", 0, -1))
@@ -617,9 +633,7 @@ class Batches:
             st = self.store.batches.status(bid) or st
             changes = _progress(b, st)
         if not (sealed and st.done >= st.total):
-            if changes["request_counts"] == b.request_counts:
-                return b  # nothing new: no write (the loop visits every open batch each tick)
-            return self._update(tenant, bid, **changes)
+            return b.model_copy(update=changes)  # counts are read live (ApiStore._live)
         with self.store.lock(bid) as mine:
             if not mine:
                 return b

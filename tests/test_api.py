@@ -15,7 +15,16 @@ from typing import Any
 import openai
 import pytest
 
-from .conftest import MAIN_QUEUE, Procs, WorkerProc, free_port, run_cli, wait_for, worker_env
+from .conftest import (
+    KEY_PREFIX,
+    MAIN_QUEUE,
+    Procs,
+    WorkerProc,
+    free_port,
+    run_cli,
+    wait_for,
+    worker_env,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -190,14 +199,21 @@ def _slow(n: int, tokens: int = 40) -> list[dict[str, Any]]:
              "ignore_eos": True} for i in range(n)]  # fmt: skip
 
 
-def test_cancel_mid_run_keeps_what_finished(api: Api, tmp_path: Path) -> None:
+def test_cancel_mid_run_keeps_what_finished(api: Api, tmp_path: Path, redis_client: Any) -> None:
     sdk = api.sdk()
     # Given a batch of 60 jobs, more than the worker runs at once
     f = _upload(sdk, tmp_path, _slow(60))
     b = sdk.batches.create(input_file_id=f.id, endpoint="/v1/vqueue/jobs",
                            completion_window="24h")  # fmt: skip
+    running = wait_for(lambda: (r := sdk.batches.retrieve(b.id)).request_counts.completed >= 1
+                       and r, 600, "a result")  # fmt: skip
+    # While it runs, its counts come from their own fields: the stored object is not rewritten
+    key = f"{KEY_PREFIX}:api:batch:{b.id}"
+    stored = redis_client.hget(key, "obj")
+    more = running.request_counts.completed + 2
+    wait_for(lambda: sdk.batches.retrieve(b.id).request_counts.completed >= more, 600, "more")
+    assert redis_client.hget(key, "obj") == stored
     # When it is cancelled once some have finished
-    wait_for(lambda: sdk.batches.retrieve(b.id).request_counts.completed >= 1, 600, "a result")
     c = sdk.batches.cancel(b.id)
     assert c.status == "cancelling" and c.cancelling_at
     done = _until(sdk, b.id, ("cancelled",), 600)
