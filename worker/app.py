@@ -20,16 +20,20 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from celery import Celery, signals
+from redis.exceptions import RedisError
 
 from protocol.exits import RET_CONFIG, RET_ENGINE
 from protocol.routing import move_all, rescue_orphans, urgent_queue, worker_queue
+from protocol.store import refused_for_memory
 from protocol.wire import PRIORITY_SEP, PRIORITY_STEPS, task_name
 from schemas import JOB_TYPES, Settings, get_settings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Named exit codes (dramatiq's habit), from the CLI's one table: a supervisor can tell a broken
 # engine or configuration from a clean stop.
@@ -37,6 +41,36 @@ EXIT_ENGINE = RET_ENGINE
 
 # kombu versions whose Redis channel ``guard_closed_channels`` was written against and checked on
 KOMBU_VERIFIED = ("5.7.",)
+
+
+FULL_BACKOFF_S = (0.1, 5.0)  # the first wait for room in a full Redis, and the longest
+
+
+def while_full(op: str, call: Callable[[], T]) -> T:
+    """``call()``, waiting while Redis refuses writes at ``maxmemory`` (noeviction): the job
+    stays unacknowledged meanwhile, so a worker stopped while it waits hands it back after the
+    visibility timeout, and its result, if computed, is recorded once room comes. Each refusal
+    counts in ``vqueue_redis_full_waits_total{op}``."""
+    from . import metrics
+
+    wait, longest = FULL_BACKOFF_S
+    refused = 0
+    while True:
+        try:
+            done = call()
+        except RedisError as exc:
+            if not refused_for_memory(exc):
+                raise
+            metrics.REDIS_FULL_WAITS.labels(op).inc()
+            if not refused:
+                log.error("Redis is full (maxmemory): %s waits for room", op)
+            refused += 1
+            time.sleep(wait)
+            wait = min(wait * 2, longest)
+            continue
+        if refused:
+            log.warning("Redis has room again: %s went through after %d refusals", op, refused)
+        return done
 
 
 def guard_closed_channels() -> None:
@@ -59,7 +93,7 @@ def guard_closed_channels() -> None:
     the unacknowledged record is refused, and so is an acknowledgement: kombu sends both in a
     MULTI, inside which Redis refuses every command when out of memory. Celery takes that
     ``OutOfMemoryError`` for an unrecoverable error and the worker would exit, the popped job
-    lost. Both wait for room instead (``tasks.while_full``), holding the consumer, which can
+    lost. Both wait for room instead (``while_full``), holding the consumer, which can
     take nothing more anyway (``test_redis_full_loses_no_job_and_stops_no_worker``).
 
     Installed on the kombu versions in ``KOMBU_VERIFIED`` only; elsewhere the worker logs an
@@ -101,8 +135,6 @@ def guard_closed_channels() -> None:
     stock_append = kombu_redis.QoS.append
 
     def append(self: Any, message: Any, delivery_tag: Any) -> Any:
-        from .tasks import while_full
-
         try:
             return while_full("consume", lambda: stock_append(self, message, delivery_tag))
         except (closed, kombu_redis.redis.exceptions.TimeoutError):
@@ -112,13 +144,9 @@ def guard_closed_channels() -> None:
     stock_ack, stock_reject = kombu_redis.QoS.ack, kombu_redis.QoS.reject
 
     def ack(self: Any, delivery_tag: Any) -> Any:
-        from .tasks import while_full
-
         return while_full("ack", lambda: stock_ack(self, delivery_tag))
 
     def reject(self: Any, delivery_tag: Any, requeue: bool = False) -> Any:
-        from .tasks import while_full
-
         return while_full("ack", lambda: stock_reject(self, delivery_tag, requeue=requeue))
 
     _connparams.__vqueue__ = True  # type: ignore[attr-defined]

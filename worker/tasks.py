@@ -21,7 +21,6 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 from celery import Task, signals
@@ -36,14 +35,14 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from protocol.store import WITHDRAWN, refused_for_memory
+from protocol.store import WITHDRAWN
 from protocol.wire import task_name
 from schemas import JOB_TYPES, Envelope, JobError, JobResult, Timings
 from schemas.jobs import BATCH_PATTERN, CHECKED
 from schemas.results import ErrorType
 
 from . import metrics
-from .app import EXIT_ENGINE, app, settings, state
+from .app import EXIT_ENGINE, app, settings, state, while_full
 from .engine import EngineDead
 
 log = logging.getLogger(__name__)
@@ -82,34 +81,6 @@ TRANSIENT_REDIS = (
     ReadOnlyError,
     TryAgainError,
 )
-
-
-FULL_BACKOFF_S = (0.1, 5.0)  # the first wait for room in a full Redis, and the longest
-
-
-def while_full(op: str, call: Callable[[], T]) -> T:
-    """``call()``, waiting while Redis refuses writes at ``maxmemory`` (noeviction): the job
-    stays unacknowledged meanwhile, so a worker stopped while it waits hands it back after the
-    visibility timeout, and its result, if computed, is recorded once room comes. Each refusal
-    counts in ``vqueue_redis_full_waits_total{op}``."""
-    wait, longest = FULL_BACKOFF_S
-    refused = 0
-    while True:
-        try:
-            done = call()
-        except RedisError as exc:
-            if not refused_for_memory(exc):
-                raise
-            metrics.REDIS_FULL_WAITS.labels(op).inc()
-            if not refused:
-                log.error("Redis is full (maxmemory): %s waits for room", op)
-            refused += 1
-            time.sleep(wait)
-            wait = min(wait * 2, longest)
-            continue
-        if refused:
-            log.warning("Redis has room again: %s went through after %d refusals", op, refused)
-        return done
 
 
 def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
