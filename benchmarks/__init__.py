@@ -15,7 +15,7 @@ def engine_setup(settings: Any, model: str) -> tuple[dict[str, Any], dict[str, s
     plugin's entry point where vqueue runs from PYTHONPATH rather than installed, as on the GPU
     host, where there is no dist-info to find it by), and the plan itself, which results
     record."""
-    from worker.engine import engine_kwargs
+    from worker.vllm_ext.configure import engine_kwargs
     from worker.vllm_ext.configure import MONITOR_CLASSES, configure_engine
 
     kwargs = engine_kwargs(settings, model)

@@ -36,7 +36,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from schemas import Settings
-    from worker.engine import has_cuda
+    from worker.vllm_ext.configure import has_cuda
     from worker.runner import loop_detection
 
     from . import workloads as wl

@@ -5,7 +5,6 @@ from .jobs import (
     ChatJob,
     ChatMessage,
     CodegenJob,
-    EarlyStop,
     EarlyStopOverride,
     Envelope,
     ExtractJob,
@@ -16,7 +15,7 @@ from .jobs import (
 )
 from .openai import BatchRequestInput, output_line, rejected_line
 from .results import ERROR_TYPES, Attempt, BatchStatus, JobError, JobResult, Timings, Usage
-from .settings import Settings, get_settings
+from .settings import EarlyStop, Settings, get_settings
 
 __all__ = [
     "ERROR_TYPES",

@@ -11,7 +11,7 @@ import functools
 import hashlib
 import json
 import uuid
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import jsonschema
 from pydantic import (
@@ -23,6 +23,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+if TYPE_CHECKING:
+    from .settings import EarlyStop
 
 # Bounds that keep one hostile line from costing the fleet more than its own failure.
 MAX_TEXT_CHARS = 1_000_000  # ~250k tokens: larger than any context we serve, still bounded
@@ -56,30 +59,6 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant"]
     content: str = Field(max_length=MAX_TEXT_CHARS)
-
-
-class EarlyStop(BaseModel):
-    """Logprob early stop (worker/confidence.py): abort a generation whose top-1 token logprob
-    stays under ``threshold`` for ``window`` consecutive tokens after the first ``grace_tokens``,
-    and run it again with changed sampling, at most ``max_retries`` times.
-
-    Retry k samples at the job's temperature times ``retry_temperature_scale**k`` with a new
-    seed; a greedy job retries at ``greedy_retry_temperature`` instead, since greedy decoding
-    would repeat the same tokens into the same abort. The last attempt (greedy when
-    ``greedy_last``) is never aborted: its output is returned, flagged ``low_confidence`` if
-    the rule held on it.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = True
-    threshold: float = Field(default=-3.0, lt=0.0)
-    window: int = Field(default=2, ge=1, le=64)
-    grace_tokens: int = Field(default=4, ge=0, le=4096)
-    max_retries: int = Field(default=2, ge=0, le=5)
-    retry_temperature_scale: float = Field(default=0.5, ge=0.0, le=1.0)
-    greedy_retry_temperature: float = Field(default=0.7, gt=0.0, le=2.0)
-    greedy_last: bool = True
 
 
 class EarlyStopOverride(BaseModel):

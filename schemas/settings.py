@@ -9,10 +9,8 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from .jobs import EarlyStop
 
 # Queue names become Redis keys: the batch id's characters, and never ``<queue>.urgent`` or
 # ``<queue>@<worker>`` (protocol/routing.py), which would push into another queue's lists.
@@ -21,6 +19,30 @@ QUEUE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 # What to do with a document longer than its type's input limit: keep its beginning, its end,
 # both ends (the middle goes), or fail the job with ``input_too_long``.
 Truncation = Literal["head", "tail", "head_tail", "reject"]
+
+
+class EarlyStop(BaseModel):
+    """Logprob early stop (worker/confidence.py): abort a generation whose top-1 token logprob
+    stays under ``threshold`` for ``window`` consecutive tokens after the first ``grace_tokens``,
+    and run it again with changed sampling, at most ``max_retries`` times.
+
+    Retry k samples at the job's temperature times ``retry_temperature_scale**k`` with a new
+    seed; a greedy job retries at ``greedy_retry_temperature`` instead, since greedy decoding
+    would repeat the same tokens into the same abort. The last attempt (greedy when
+    ``greedy_last``) is never aborted: its output is returned, flagged ``low_confidence`` if
+    the rule held on it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    threshold: float = Field(default=-3.0, lt=0.0)
+    window: int = Field(default=2, ge=1, le=64)
+    grace_tokens: int = Field(default=4, ge=0, le=4096)
+    max_retries: int = Field(default=2, ge=0, le=5)
+    retry_temperature_scale: float = Field(default=0.5, ge=0.0, le=1.0)
+    greedy_retry_temperature: float = Field(default=0.7, gt=0.0, le=2.0)
+    greedy_last: bool = True
 
 
 class Settings(BaseSettings):
@@ -51,9 +73,9 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     # KV cache size in bytes; overrides gpu_memory_utilization (on CPU it is what to set)
     kv_cache_memory_bytes: int | None = None
-    # sequences per engine step; None: per device, vLLM's offline defaults, which is what a batch
-    # system runs (worker/engine.py: device_max_num_seqs): 1024 on GPUs of 70 GiB and more
-    # except the A100, 256 elsewhere and on CPUs
+    # sequences per engine step; None: per device, vLLM's offline defaults, which is what a
+    # batch system runs (worker/vllm_ext/configure.py: device_max_num_seqs): 1024 on GPUs of
+    # 70 GiB and more except the A100, 256 elsewhere and on CPUs
     max_num_seqs: int | None = Field(default=None, ge=1)
     max_num_batched_tokens: int | None = None
     # the order vLLM's scheduler admits waiting requests in: "priority" by the job's priority
@@ -294,7 +316,7 @@ class Settings(BaseSettings):
 
     def intake_count(self, cuda: bool, cores_per_engine: int) -> int:
         """``intake_processes``, or its default for a host with ``cores_per_engine`` CPU cores
-        for each engine (``worker.engine.cores_per_engine``)."""
+        for each engine (``worker.vllm_ext.configure.cores_per_engine``)."""
         if self.intake_processes:
             return self.intake_processes
         return min(8, max(2, cores_per_engine // 2)) if cuda else 1
@@ -341,3 +363,14 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vqueue"
     )
     return Path(root)
+
+
+def describe_settings_error(exc: ValidationError) -> str:
+    """``VQUEUE_DTYPE: Input should be ...; ...``: the env var to fix, not the model field."""
+    parts = []
+    for err in exc.errors(include_url=False):
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["loc"]:
+            msg = "VQUEUE_" + "_".join(str(x) for x in err["loc"]).upper() + ": " + msg
+        parts.append(msg)
+    return "; ".join(parts)

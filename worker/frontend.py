@@ -54,6 +54,7 @@ from schemas import Settings
 
 from .confidence import LogprobRule, Reading
 from .metrics import EngineStats
+from .vllm_ext.configure import ConfigError
 from .vllm_ext.plugin import watch_owner
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,6 @@ CONNECT_WAIT_S = 300.0
 
 class EngineError(RuntimeError):
     """The engine refused or failed one request; the job fails, the worker carries on."""
-
-
-class ConfigError(ValueError):
-    """Engine settings that cannot work together; the worker exits before loading anything."""
 
 
 class EngineDead(RuntimeError):
@@ -470,8 +467,7 @@ class Frontend:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from .engine import engine_kwargs
-        from .vllm_ext.configure import configure_engine
+        from .vllm_ext.configure import configure_engine, engine_kwargs
 
         kwargs = engine_kwargs(self.settings, model_path)
         config, plan = configure_engine(self.settings, kwargs)

@@ -11,10 +11,21 @@ from typing import Any
 
 from schemas import Settings
 
+from ..models import resolve_model
 from .compat import Plan, log_missing, plan, vllm_version
 from .plugin import OWNER_ENV, PLAN_ENV, PLUGIN
 
 log = logging.getLogger("worker.engine")
+
+# CPU hosts have no GPU memory to take a fraction of; the KV cache is sized in bytes instead.
+CPU_DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+# Without AVX-512 bf16 is emulated on the CPU, many times slower than float32.
+CPU_DEFAULT_DTYPE = "float32"
+
+
+class ConfigError(ValueError):
+    """Engine settings that cannot work together; the worker exits before loading anything."""
+
 
 # Where the in-engine monitor reports to the worker's board; "logprobs" is watched there.
 IN_ENGINE_MONITOR = ("v1", "v2", "v2-hook")
@@ -49,7 +60,7 @@ def plan_for(settings: Settings, v2: bool) -> Plan:
 
 
 def configure_engine(settings: Settings, kwargs: dict[str, Any]) -> tuple[Any, Plan]:
-    """vLLM's config for the engine arguments ``kwargs`` (``worker.engine.engine_kwargs``), and
+    """vLLM's config for the engine arguments ``kwargs`` (``engine_kwargs``), and
     the plan of vqueue's optimizations on it.
 
     The config is built as vLLM's offline ``LLM`` builds it (``UsageContext.LLM_CLASS``): a
@@ -77,3 +88,158 @@ def configure_engine(settings: Settings, kwargs: dict[str, Any]) -> tuple[Any, P
         config.model_config.logits_processors = [MONITOR_CLASSES[p.monitor]]
     os.environ[PLAN_ENV] = json.dumps(p.as_dict())
     return config, p
+
+
+def engine_kwargs(s: Settings, model_path: str) -> dict[str, Any]:
+    """vLLM engine arguments from settings; the raw-vLLM benchmark uses the same ones."""
+    from vllm.config import StructuredOutputsConfig
+
+    cuda = has_cuda()
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        served_model_name=s.served_model_name or s.model,
+        max_model_len=s.max_model_len,
+        max_num_seqs=s.max_num_seqs or device_max_num_seqs(),
+        dtype=s.dtype if s.dtype != "auto" or cuda else CPU_DEFAULT_DTYPE,
+        tensor_parallel_size=s.tensor_parallel_size,
+        enforce_eager=s.enforce_eager if s.enforce_eager is not None else not cuda,
+        enable_prefix_caching=s.enable_prefix_caching,
+        scheduling_policy=s.scheduling_policy,
+        seed=s.seed,
+        gpu_memory_utilization=s.gpu_memory_utilization,
+        # Small models pad guided JSON with whitespace until max_tokens; forbid it engine-wide
+        # (in vLLM >= 0.26 this is engine config, the per-request flag is not consulted).
+        structured_outputs_config=StructuredOutputsConfig(
+            backend=s.structured_outputs_backend,  # type: ignore[arg-type]  # checked by vLLM
+            disable_any_whitespace=True,
+        ),
+    )
+    if s.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
+    if s.load_format != "auto":
+        kwargs["load_format"] = s.load_format
+    if s.quantization:
+        kwargs["quantization"] = s.quantization
+    if s.cpu_offload_gb:
+        kwargs["cpu_offload_gb"] = s.cpu_offload_gb
+    kv_bytes = s.kv_cache_memory_bytes
+    if kv_bytes is None and not cuda:
+        kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+    if kv_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_bytes
+    return kwargs
+
+
+# Weight formats that need CUDA kernels.
+_GPU_ONLY_QUANTIZATION = {
+    "awq",
+    "awq_marlin",
+    "gptq",
+    "gptq_marlin",
+    "marlin",
+    "fp8",
+    "bitsandbytes",
+}
+
+
+def check_engine_settings(s: Settings, cuda: bool, gpus: int) -> None:
+    """Refuse combinations vLLM would fail on later, or worse, accept and run badly."""
+    problems = []
+    if s.model.endswith(".gguf") and s.quantization:
+        problems.append("a .gguf VQUEUE_MODEL is dequantized on load; unset VQUEUE_QUANTIZATION")
+    if not cuda:
+        if s.quantization in _GPU_ONLY_QUANTIZATION:
+            problems.append(f"VQUEUE_QUANTIZATION={s.quantization} needs a CUDA GPU")
+        if s.cpu_offload_gb:
+            problems.append("VQUEUE_CPU_OFFLOAD_GB offloads GPU weights; this host has no GPU")
+        if s.tensor_parallel_size > 1:
+            problems.append("VQUEUE_TENSOR_PARALLEL_SIZE > 1 needs GPUs")
+    elif s.tensor_parallel_size > gpus:
+        problems.append(
+            f"VQUEUE_TENSOR_PARALLEL_SIZE={s.tensor_parallel_size} but {gpus} GPU(s) are visible"
+        )
+    seqs = s.max_num_seqs or (device_max_num_seqs() if cuda else 256)
+    if s.max_num_batched_tokens is not None and s.max_num_batched_tokens < seqs:
+        problems.append(
+            f"VQUEUE_MAX_NUM_BATCHED_TOKENS={s.max_num_batched_tokens} is below "
+            f"max_num_seqs={seqs}: not every running sequence could advance"
+        )
+    if s.kv_cache_memory_bytes is not None and s.kv_cache_memory_bytes < 16 * 1024**2:
+        problems.append("VQUEUE_KV_CACHE_MEMORY_BYTES under 16 MiB holds almost nothing")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def device_max_num_seqs() -> int:
+    """Sequences per engine step when ``VQUEUE_MAX_NUM_SEQS`` is unset: vLLM's offline default
+    for this device (``EngineArgs`` with ``UsageContext.LLM_CLASS``, the same table in vLLM 0.26
+    and 0.32): 1024 on GPUs of 70 GiB or more other than the A100, 256 on the rest and on CPUs.
+    A bare engine would get the same; it is resolved here because the worker's threads pool
+    (``2 x max_num_seqs``) is sized before the engine exists. A small model's step on a large
+    GPU is bound by the host, so more sequences per step is most of the offline speed."""
+    if not os.path.exists("/dev/nvidiactl"):  # no NVIDIA driver: not worth importing torch
+        return 256
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return 256
+        props = torch.cuda.get_device_properties(0)
+    except Exception:  # noqa: BLE001  # no usable CUDA: vLLM's default for unknown devices
+        return 256
+    big = props.total_memory >= 70 * 1024**3 and "a100" not in props.name.lower()
+    return 1024 if big else 256
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+
+        return int(torch.cuda.device_count())
+    except Exception:
+        return 0
+
+
+def cores_per_engine(settings: Settings) -> int:
+    """The CPU cores this worker's engine may count on: the host's, shared out over its GPUs
+    (one worker per GPU, or per ``tensor_parallel_size`` GPUs). The NVIDIA driver lists every
+    GPU of the host under /proc, whatever ``CUDA_VISIBLE_DEVICES`` hides."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        gpus = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        gpus = 1
+    return max(1, (cores or 1) * max(1, settings.tensor_parallel_size) // max(1, gpus))
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def check(settings: Settings) -> dict[str, Any]:
+    """What ``vqueue worker --check`` reports: vLLM, torch, the device, and the plan of
+    optimizations, from vLLM's own config for these settings (no engine is started). Raises
+    ``ConfigError`` for settings that cannot run here."""
+    import torch
+
+    cuda, gpus = has_cuda(), gpu_count()
+    check_engine_settings(settings, cuda, gpus)
+    model_path = resolve_model(settings.model)
+    _, p = configure_engine(settings, engine_kwargs(settings, model_path))
+    device = torch.cuda.get_device_name(0) if cuda else "cpu"
+    return {
+        "vllm": p.vllm,
+        "torch": torch.__version__,
+        "device": device,
+        "gpus": gpus,
+        "model": settings.model,
+        "model_path": model_path,
+        "plugin_registered": plugin_registered(),
+        **{k: v for k, v in p.as_dict().items() if k != "vllm"},
+        "degraded": p.degraded,
+    }
