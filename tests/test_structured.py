@@ -391,3 +391,25 @@ def test_a_schema_the_engine_cannot_enforce_fails_its_job_at_the_worker(client: 
     r = next(client.submit_many([env], batch=env.batch).results(timeout=300))
     assert r.status == "failed" and r.error is not None, r
     assert r.error.type == "schema_unsupported" and "not" in r.error.message, r.error
+
+
+def test_output_the_grammar_allows_but_the_schema_refuses_fails_as_schema_validation(
+    client: Client,
+) -> None:
+    # Given a schema whose one allowed value breaks its own format: guided decoding follows the
+    # const (the grammar allows "2023-02-29" alone), and a date checker refuses a day 2023
+    # never had
+    schema = {
+        "type": "object",
+        "required": ["due"],
+        "properties": {"due": {"type": "string", "format": "date", "const": "2023-02-29"}},
+    }
+    job = {"id": "leap", "type": "extract", "text": "Payment is due on 2023-02-29.",
+           "json_schema": schema, "max_tokens": 40}  # fmt: skip
+    r = _run(client, [job])["leap"]
+    # Then the job fails as schema_validation, naming where and why, its output kept
+    assert r.status == "failed" and r.error is not None, r
+    assert r.error.type == "schema_validation", r.error
+    assert r.error.message.startswith("at due: ") and "'date'" in r.error.message, r.error
+    assert r.text is not None and json.loads(r.text) == {"due": "2023-02-29"}
+    assert r.data is None
