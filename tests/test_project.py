@@ -52,34 +52,68 @@ def test_producer_imports_no_engine() -> None:
     assert out.stdout.decode().strip() == "[]", out.stderr.decode()
 
 
-def test_producer_and_worker_share_only_protocol_and_schemas() -> None:
-    # The wire both sides speak lives in protocol/; neither side reaches into the other's code,
-    # and the bottom layers import neither side. One known exception: `vqueue worker` (in the
-    # producer's CLI) imports worker.engine to start one.
+def _imports() -> dict[str, set[str]]:
+    """Each of the four packages' modules, and the modules of them it imports, wherever the
+    import stands (a function's own imports included)."""
     import ast
 
     from .conftest import ROOT
 
-    allowed = {("producer/cli.py", "worker.engine")}
-    found = []
-    for package, foreign in (
-        ("worker", ("producer",)),
-        ("producer", ("worker",)),
-        ("protocol", ("producer", "worker")),
-        ("schemas", ("producer", "worker", "protocol")),
-    ):
+    graph: dict[str, set[str]] = {}
+    for package in ("worker", "producer", "protocol", "schemas"):
         for path in sorted((ROOT / package).rglob("*.py")):
-            rel = path.relative_to(ROOT).as_posix()
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            here = parts[:-1]
+            name = ".".join(parts if parts[-1] != "__init__" else parts[:-1])
+            found = graph.setdefault(name, set())
             for node in ast.walk(ast.parse(path.read_text())):
-                names = []
                 if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names = [node.module]
-                for name in names:
-                    if name.split(".")[0] in foreign and (rel, name) not in allowed:
-                        found.append((rel, name))
+                    found.update(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    base = here[: len(here) - node.level + 1] if node.level else []
+                    module = ".".join([*base, *([node.module] if node.module else [])])
+                    found.update(f"{module}.{a.name}" for a in node.names)
+                    if node.module:  # else `from . import x`: x alone is imported
+                        found.add(module)
+    known = set(graph)
+
+    def owner(name: str) -> str | None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    return {m: {o for d in deps if (o := owner(d)) and o != m} for m, deps in graph.items()}
+
+
+def test_producer_and_worker_share_only_protocol_and_schemas() -> None:
+    # The wire both sides speak lives in protocol/; neither side reaches into the other's code
+    # (`vqueue worker` runs `python -m worker` in its place), and the bottom layers import
+    # neither side
+    foreign = {
+        "worker": ("producer",),
+        "producer": ("worker",),
+        "protocol": ("producer", "worker"),
+        "schemas": ("producer", "worker", "protocol"),
+    }
+    found = [(m, d) for m, deps in _imports().items() for d in deps
+             if d.split(".")[0] in foreign[m.split(".")[0]]]  # fmt: skip
     assert found == []
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    graph = _imports()
+    cycles = []
+
+    def walk(path: list[str]) -> None:
+        for nxt in sorted(graph.get(path[-1], ())):
+            if nxt == path[0]:
+                cycles.append(path)
+            elif nxt not in path and nxt > path[0]:  # each cycle once, from its least module
+                walk([*path, nxt])
+
+    for module in sorted(graph):
+        walk([module])
+    assert cycles == []
 
 
 def test_the_worker_imports_no_vllm_until_it_builds_its_engine() -> None:
