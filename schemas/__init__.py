@@ -14,7 +14,7 @@ from .jobs import (
     new_job_id,
 )
 from .openai import BatchRequestInput, output_line, rejected_line
-from .results import ERROR_TYPES, Attempt, BatchStatus, JobError, JobResult, Timings, Usage
+from .results import ERROR_TYPES, Attempt, BatchStatus, Choice, JobError, JobResult, Timings, Usage
 from .settings import EarlyStop, Settings, get_settings
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "BatchStatus",
     "ChatJob",
     "ChatMessage",
+    "Choice",
     "CodegenJob",
     "EarlyStop",
     "EarlyStopOverride",

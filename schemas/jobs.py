@@ -32,6 +32,7 @@ MAX_TEXT_CHARS = 1_000_000  # ~250k tokens: larger than any context we serve, st
 MAX_SCHEMA_CHARS = 64_000  # a JSON Schema this large is a mistake, and compiling it is costly
 MAX_SCHEMA_DEPTH = 32  # grammar compilation recurses; deeper schemas are rejected at submit
 MAX_OUTPUT_TOKENS = 32_768  # above any max_model_len we configure by default
+MAX_CHOICES = 128  # a chat job's n, OpenAI's own bound
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"  # extraction template names
 # Batch ids become Redis keys and the first half of Celery task ids (``batch:job``): no ``:``,
 # no spaces or globs, so ``V:done`` can never name another batch's key.
@@ -281,6 +282,9 @@ class ChatJob(_JobBase):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     json_schema: dict[str, Any] | None = None
     json_object: bool = False
+    # answers to the same messages, each its own request in the engine (``seed`` + k for the
+    # k-th when a seed is set): OpenAI's ``n``; the result carries them in ``choices``
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     # an OpenAI line whose body asks for what vqueue does not do: the job is queued like any
     # other and the worker fails it at once with this (``unsupported_parameter``), so the
     # request fails alone and the batch goes on, as OpenAI answers such a request with a 400

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .jobs import MAX_OUTPUT_TOKENS, ChatJob, ChatMessage, Unsupported
-from .results import JobResult
+from .results import Choice, JobResult
 
 # Body fields that change nothing for a batch run by vqueue, taken and ignored as OpenAI's batch
 # takes them: who asked, storage and tiers, reasoning hints for models that have none here
@@ -67,7 +67,6 @@ class ChatCompletionBody(BaseModel):
     def unsupported(self) -> Unsupported | None:
         """The first field of this body vqueue cannot honour, and why; None when it can."""
         asks = [
-            ("n", (self.n or 1) > 1, "returns one choice per request; n must be 1"),
             ("logprobs", bool(self.logprobs), "does not return log probabilities"),
             ("top_logprobs", bool(self.top_logprobs), "does not return log probabilities"),
             ("stream", bool(self.stream), "a batch request is not streamed"),
@@ -126,6 +125,8 @@ class BatchRequestInput(BaseModel):
                 fields[name] = getattr(b, name)
         if b.logit_bias:
             fields["logit_bias"] = b.logit_bias
+        if b.n is not None:
+            fields["n"] = b.n
         fields["unsupported"] = b.unsupported()
         return ChatJob.model_validate(fields)
 
@@ -159,12 +160,14 @@ def output_line(result: JobResult) -> dict[str, Any]:
         "model": result.model,
         "choices": [
             {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.text},
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
                 "logprobs": None,
-                "finish_reason": result.finish_reason,
+                "finish_reason": c.finish_reason,
             }
-        ],
+            for c in result.choices
+            or [Choice(index=0, text=result.text, finish_reason=result.finish_reason)]
+        ],  # fmt: skip
         "usage": {
             "prompt_tokens": result.usage.prompt_tokens,
             "completion_tokens": result.usage.completion_tokens,

@@ -107,6 +107,15 @@ class Timings(BaseModel):
     previous_finished_at: float | None = None
 
 
+class Choice(BaseModel):
+    """One of a chat job's ``n`` answers; the first is also the result's own ``text``."""
+
+    index: int
+    text: str | None = None
+    data: Any = None
+    finish_reason: str | None = None
+
+
 class JobResult(BaseModel):
     id: str
     batch: str
@@ -130,6 +139,9 @@ class JobResult(BaseModel):
     # low_confidence: the returned output's attempt held the rule (the last is never aborted)
     attempts: list[Attempt] = Field(default_factory=list)
     low_confidence: bool = False
+    # a chat job with n > 1: every answer in order (usage counts the prompt once, and the
+    # tokens of all of them)
+    choices: list[Choice] | None = None
 
 
 class BatchStatus(BaseModel):

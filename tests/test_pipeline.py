@@ -125,6 +125,27 @@ def test_json_object_jobs_return_json(client: Client) -> None:
         assert res.error is not None and res.error.type == "schema_incomplete"
 
 
+def test_a_chat_job_with_n_answers_n_times_each_seeded(client: Client) -> None:
+    # Given a sampled chat job asking for three choices of exactly 12 tokens, with a seed,
+    # submitted twice
+    job = {"type": "chat", "n": 3, "seed": 11, "temperature": 1.0, "max_tokens": 12,
+           "min_tokens": 12, "ignore_eos": True,
+           "messages": [{"role": "user", "content": "Name a colour."}]}  # fmt: skip
+    batch = client.submit_many([{**job, "id": "n1"}, {**job, "id": "n2"}])
+    got = {r.id: r for r in batch.results(timeout=300)}
+    first, again = got["n1"], got["n2"]
+    # Then each has three choices in order, the first also its text, each its own sample
+    assert first.status == "completed" and first.choices is not None, first.error
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert first.text == first.choices[0].text
+    assert len({c.text for c in first.choices}) > 1, first.choices
+    # with the prompt counted once and every choice's tokens
+    assert first.usage.completion_tokens == 36 and first.usage.prompt_tokens > 0
+    # and the same seed gives the same three answers
+    assert again.choices is not None
+    assert [c.text for c in again.choices] == [c.text for c in first.choices]
+
+
 def test_single_job_submit_and_wait(client: Client) -> None:
     batch = client.submit(
         {"type": "summarize", "id": "one", "text": "Cats sleep a lot.", "max_tokens": 24}

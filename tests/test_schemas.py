@@ -175,9 +175,9 @@ def test_openai_bodies_are_taken_as_openai_writes_them() -> None:
         -0.5,
     )
     assert job.logit_bias == {42: -100.0}
+    assert parse_line(1, _guide_line("n", n=3)).job.n == 3
     # and each thing vqueue does not do is a job that fails alone, naming its field
     for body, param in [
-        ({"n": 2}, "n"),
         ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"stream": True}, "stream"),
@@ -188,11 +188,11 @@ def test_openai_bodies_are_taken_as_openai_writes_them() -> None:
     # When a worker fails one, Then its error-file line is the 400 OpenAI writes
     refused = JobResult(
         id="x", batch="b", type="chat", status="failed", timings=Timings(enqueued_at=1.0),
-        error=JobError(type="unsupported_parameter", message="n: vqueue ...", param="n"),
+        error=JobError(type="unsupported_parameter", message="tools: vqueue ...", param="tools"),
     )  # fmt: skip
     out = output_line(refused)
     assert out["error"] is None and out["response"]["status_code"] == 400
-    assert out["response"]["body"]["error"]["param"] == "n"
+    assert out["response"]["body"]["error"]["param"] == "tools"
     assert out["response"]["body"]["error"]["code"] == "unsupported_parameter"
 
 

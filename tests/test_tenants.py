@@ -513,24 +513,33 @@ def test_an_openai_file_with_fields_vqueue_does_not_do_completes(served: Served)
 
     lines = [req("plain", n=1, logprobs=False), req("two", n=2), req("tool", tools=[{}])]
     sdk, bid = served.batch("a", lines, endpoint="/v1/chat/completions")
-    # Then the batch completes: the plain request answered, the others failed alone
+    # Then the batch completes: the plain request and the two choices answered, tools failed
+    # alone
     done = _until(sdk, bid, ("completed", "failed"))
     assert done.status == "completed", done
-    assert (done.request_counts.completed, done.request_counts.failed) == (1, 2), done
-    # each with the 400 line OpenAI writes, naming the field
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 1), done
+    # with the 400 line OpenAI writes, naming the field
     errors = {
         x["custom_id"]: x["response"]
         for x in map(json.loads, sdk.files.content(done.error_file_id).text.splitlines())
     }
     assert {k: (v["status_code"], v["body"]["error"]["param"]) for k, v in errors.items()} == {
-        "two": (400, "n"), "tool": (400, "tools"),
+        "tool": (400, "tools"),
     }  # fmt: skip
-    # and the answer, the batch and its usage name the model that answered, not the one asked
-    (answer,) = map(json.loads, sdk.files.content(done.output_file_id).text.splitlines())
-    assert answer["response"]["body"]["model"] == "fake" and done.model == "fake"
-    usage = answer["response"]["body"]["usage"]
-    assert done.usage.output_tokens == usage["completion_tokens"] == 2, done.usage
-    assert done.usage.input_tokens == usage["prompt_tokens"] > 0, done.usage
+    # and the answers, the batch and its usage name the model that answered, not the one asked
+    answers = {
+        x["custom_id"]: x["response"]["body"]
+        for x in map(json.loads, sdk.files.content(done.output_file_id).text.splitlines())
+    }
+    assert [c["index"] for c in answers["two"]["choices"]] == [0, 1]
+    assert len(answers["plain"]["choices"]) == 1
+    assert {a["model"] for a in answers.values()} == {"fake"} and done.model == "fake"
+    plain, two = answers["plain"]["usage"], answers["two"]["usage"]
+    # a request's usage counts its prompt once and every choice's tokens
+    assert (plain["completion_tokens"], two["completion_tokens"]) == (2, 4), answers
+    assert plain["prompt_tokens"] == two["prompt_tokens"] > 0
+    assert done.usage.output_tokens == 6, done.usage
+    assert done.usage.input_tokens == 2 * plain["prompt_tokens"], done.usage
     assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
 
 

@@ -6,9 +6,11 @@ a broken engine or lost Redis escapes as an exception (and then the task is rede
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import random
+import threading
 import time
 from typing import Any
 
@@ -17,6 +19,7 @@ import jsonschema
 from schemas import (
     Attempt,
     ChatJob,
+    Choice,
     CodegenJob,
     EarlyStop,
     Envelope,
@@ -118,33 +121,12 @@ def run_job(
                 f"{settings.max_model_len} and the answer needs at least {MIN_ANSWER_TOKENS}",
             )
         max_tokens = min(want, room)
-        gen = generate(
-            job, engine, settings, prompt, max_tokens, env.prefix_key, result, grammar, deadline,
-            env.tenant,
-        )  # fmt: skip
-        cut = 0
-        if _wants_json(job) and gen.finish_reason == "length" and room > max_tokens:
-            # JSON cut off: once more with twice the room; what the first run wrote is lost
-            cut = gen.completion_tokens
-            max_tokens = min(2 * max_tokens, room)
-            result.timings.previous_finished_at = gen.finished_at
-            gen = generate(
-                job, engine, settings, prompt, max_tokens, None, result, grammar, deadline,
-                env.tenant,
-            )  # fmt: skip
-        result.text = gen.text
-        result.finish_reason = gen.finish_reason
-        result.usage = Usage(
-            prompt_tokens=gen.prompt_tokens,
-            completion_tokens=gen.completion_tokens,
-            cached_tokens=gen.cached_tokens,
-            wasted_tokens=cut
-            + sum(a.tokens for a in result.attempts if a.reason in ("low_confidence", "loop")),
-        )
-        t = result.timings
-        t.sent_at, t.submitted_at, t.scheduled_at = gen.sent_at, gen.submitted_at, gen.scheduled_at
-        t.first_token_at = gen.first_token_at
-        _read_output(job, gen.text, gen.finish_reason, result, max_tokens, cut)
+        if isinstance(job, ChatJob) and job.n > 1:
+            _choices(job, engine, settings, prompt, max_tokens, room, env, result, grammar,
+                     deadline)  # fmt: skip
+        else:
+            _answer(job, engine, settings, prompt, max_tokens, room, env.prefix_key, result,
+                    grammar, deadline, env.tenant)  # fmt: skip
     except (JobFailed, SchemaRefused) as exc:
         result.status = "failed"
         result.error = JobError(type=exc.type, message=exc.message)
@@ -159,6 +141,117 @@ def run_job(
         result.error = JobError(type=exc.reason, message=str(exc))  # type: ignore[arg-type]
     result.timings.finished_at = time.time()
     return result
+
+
+def _answer(
+    job: Any,
+    engine: EngineHost,
+    settings: Settings,
+    prompt: list[int],
+    max_tokens: int,
+    room: int,
+    prefix_key: str | None,
+    result: JobResult,
+    grammar: dict[str, Any] | None,
+    deadline: float,
+    salt: str | None,
+) -> None:
+    """The job's answer into ``result``: generated, run once more if its JSON was cut off with
+    room left, and checked (``_read_output``); a failure raises ``JobFailed``."""
+    gen = generate(
+        job, engine, settings, prompt, max_tokens, prefix_key, result, grammar, deadline, salt
+    )
+    cut = 0
+    if _wants_json(job) and gen.finish_reason == "length" and room > max_tokens:
+        # JSON cut off: once more with twice the room; what the first run wrote is lost
+        cut = gen.completion_tokens
+        max_tokens = min(2 * max_tokens, room)
+        result.timings.previous_finished_at = gen.finished_at
+        gen = generate(
+            job, engine, settings, prompt, max_tokens, None, result, grammar, deadline, salt
+        )
+    result.text = gen.text
+    result.finish_reason = gen.finish_reason
+    result.usage = Usage(
+        prompt_tokens=gen.prompt_tokens,
+        completion_tokens=gen.completion_tokens,
+        cached_tokens=gen.cached_tokens,
+        wasted_tokens=cut
+        + sum(a.tokens for a in result.attempts if a.reason in ("low_confidence", "loop")),
+    )
+    t = result.timings
+    t.sent_at, t.submitted_at, t.scheduled_at = gen.sent_at, gen.submitted_at, gen.scheduled_at
+    t.first_token_at = gen.first_token_at
+    _read_output(job, gen.text, gen.finish_reason, result, max_tokens, cut)
+
+
+# Threads for a chat job's choices after its first, shared by the worker process's jobs: a job's
+# first choice runs in its own task thread, the rest queue here, so n adds requests to the
+# engine, never an unbounded number of threads.
+_choice_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_choice_pool_lock = threading.Lock()
+
+
+def _choice_threads(settings: Settings) -> concurrent.futures.ThreadPoolExecutor:
+    global _choice_pool
+    with _choice_pool_lock:
+        if _choice_pool is None:
+            _choice_pool = concurrent.futures.ThreadPoolExecutor(
+                max(4, settings.worker_concurrency()), thread_name_prefix="vqueue-choice"
+            )
+        return _choice_pool
+
+
+def _choices(
+    job: ChatJob,
+    engine: EngineHost,
+    settings: Settings,
+    prompt: list[int],
+    max_tokens: int,
+    room: int,
+    env: Envelope,
+    result: JobResult,
+    grammar: dict[str, Any] | None,
+    deadline: float,
+) -> None:
+    """OpenAI's ``n``: the prompt answered ``n`` times at once, each its own request (its
+    prefix cached after the first) read as a job's one answer is. The first answer is the
+    result's own ``text``; all of them are in ``choices``. One choice failing fails the job,
+    naming the choice."""
+    runs = [result] + [result.model_copy(deep=True) for _ in range(job.n - 1)]
+
+    def one(k: int) -> None:
+        seeded = job
+        if job.seed is not None:  # the k-th answer's seed, kept within vLLM's 64 bits
+            seed = job.seed + k if job.seed + k < 2**63 else job.seed - k
+            seeded = job.model_copy(update={"seed": seed})
+        key = env.prefix_key if k == 0 else None
+        try:
+            _answer(seeded, engine, settings, prompt, max_tokens, room, key, runs[k], grammar,
+                    deadline, env.tenant)  # fmt: skip
+        except JobFailed as exc:
+            raise JobFailed(exc.type, f"choice {k}: {exc.message}") from None
+
+    pool = _choice_threads(settings)
+    rest = [pool.submit(one, k) for k in range(1, job.n)]
+    try:
+        one(0)
+    finally:
+        concurrent.futures.wait(rest)  # each ends by the job's deadline
+    for f in rest:
+        f.result()  # the first of the others to fail fails the job
+    result.choices = [
+        Choice(index=k, text=r.text, data=r.data, finish_reason=r.finish_reason)
+        for k, r in enumerate(runs)
+    ]
+    result.attempts += [a for r in runs[1:] for a in r.attempts]
+    result.low_confidence = any(r.low_confidence for r in runs)
+    result.usage = Usage(
+        prompt_tokens=result.usage.prompt_tokens,
+        cached_tokens=result.usage.cached_tokens,
+        completion_tokens=sum(r.usage.completion_tokens for r in runs),
+        wasted_tokens=sum(r.usage.wasted_tokens for r in runs),
+    )
 
 
 def early_stop_policy(job: Any, settings: Settings) -> EarlyStop | None:
