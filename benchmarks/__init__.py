@@ -15,8 +15,7 @@ def engine_setup(settings: Any, model: str) -> tuple[dict[str, Any], dict[str, s
     plugin's entry point where vqueue runs from PYTHONPATH rather than installed, as on the GPU
     host, where there is no dist-info to find it by), and the plan itself, which results
     record."""
-    from worker.vllm_ext.configure import engine_kwargs
-    from worker.vllm_ext.configure import MONITOR_CLASSES, configure_engine
+    from worker.vllm_ext.configure import MONITOR_CLASSES, configure_engine, engine_kwargs
 
     kwargs = engine_kwargs(settings, model)
     _, plan = configure_engine(settings, kwargs)

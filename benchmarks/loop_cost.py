@@ -36,8 +36,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from schemas import Settings
-    from worker.vllm_ext.configure import has_cuda
     from worker.runner import loop_detection
+    from worker.vllm_ext.configure import has_cuda
 
     from . import workloads as wl
 
