@@ -814,7 +814,8 @@ def main() -> None:
         "--profile",
         action="store_true",
         help="one more round, not measured, with every process sampling its stacks "
-        "(benchmarks/sampler.py: profile/ and profile-<workload>-<system>.md under --out)",
+        "(benchmarks/profiling/sampler.py: profile/ and profile-<workload>-<system>.md "
+        "under --out)",
     )
     ap.add_argument(
         "--warm-scale",
@@ -862,10 +863,10 @@ def main() -> None:
     loads[0] = build(texts, a.scale * a.warm_scale, a.workloads, warm_of, 0, a.scale < 0.1)
     prof = out / "profile"
     if a.profile:  # every process started from here on samples itself while prof/on exists
-        from . import sampler
+        from .profiling import sampler
 
         prof.mkdir(exist_ok=True)
-        hook = str(ROOT / "benchmarks" / "profile_hook")
+        hook = str(ROOT / "benchmarks" / "profiling" / "hook")
         os.environ["PYTHONPATH"] = os.pathsep.join(
             filter(None, [hook, os.environ.get("PYTHONPATH")])
         )

@@ -57,7 +57,7 @@ def main() -> None:
         metavar="PATH",
         help="run each variant under this py-spy binary: wall-clock stacks of every Python "
         "thread at 100 Hz without pausing the process, idle ones included, to "
-        "py-spy-VARIANT.txt (collapsed, one stack a line; benchmarks/stacks.py reads it)",
+        "py-spy-VARIANT.txt (collapsed, one stack a line; benchmarks/profiling/stacks.py reads it)",
     )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -122,7 +122,7 @@ def child(a: argparse.Namespace, path: Path) -> None:
     from worker.vllm_ext.guided import _Batched
 
     from . import engine_setup
-    from .step_timers import install_timers
+    from .profiling.step_timers import install_timers
     from .workloads import SCHEMAS, WORDS
 
     path.unlink(missing_ok=True)

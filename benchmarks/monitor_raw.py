@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument(
         "--timers",
         action="store_true",
-        help="in-process engines with the step's parts timed (benchmarks/step_timers.py)",
+        help="in-process engines with the step's parts timed (benchmarks/profiling/step_timers.py)",
     )
     ap.add_argument("--child", choices=["off", "on"], help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -121,7 +121,7 @@ def child(a: argparse.Namespace, log: Path) -> None:
     })  # fmt: skip
     timers = None
     if a.timers:
-        from .step_timers import install_timers
+        from .profiling.step_timers import install_timers
 
         timers = install_timers()
     tok = llm.get_tokenizer()

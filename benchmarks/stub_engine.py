@@ -1,8 +1,8 @@
 """An instant stand-in for the vLLM engine, for measuring the queue's own cost and nothing else.
 
 STUB: it generates nothing. ``VQUEUE_ENGINE_CLASS=benchmarks.stub_engine:StubEngine`` makes a
-worker use it; ``benchmarks/queue_cpu.py``, ``gil_switch.py`` and ``http_path.py --stub`` do,
-and their reports say so.
+worker use it; ``benchmarks/queue_cpu.py``, ``investigations/gil_switch.py``, ``tenants.py`` and
+``http_path.py --stub`` do, and their reports say so.
 """
 
 from __future__ import annotations

@@ -470,7 +470,8 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
     # One interpreter holds Celery's consumer, the task threads and the tokenizer, and each
     # Redis reply waits for the GIL. Python hands the GIL to a waiting thread only every switch
     # interval (5 ms by default), so while another thread computes, every round trip costs up
-    # to that: a convoy. A shorter interval keeps the consumer moving (benchmarks/gil_switch.py).
+    # to that: a convoy. A shorter interval keeps the consumer moving
+    # (benchmarks/investigations/gil_switch.py).
     sys.setswitchinterval(settings.gil_switch_ms / 1000)
     warn_if_redis_may_evict(_store().r, "the result store")
     if settings.broker_url != settings.backend_url():

@@ -1,7 +1,8 @@
 """What vLLM's frontend loop spends per request with and without detokenizing, and what the
 worker then spends making the same text itself.
 
-    python -m benchmarks.frontend_cpu --model ~/.cache/vqueue/models/smollm2-135m-instruct
+    python -m benchmarks.investigations.frontend_cpu \
+        --model ~/.cache/vqueue/models/smollm2-135m-instruct
 
 A worker's frontend process (``worker/frontend.py``) runs vLLM's ``AsyncLLM`` loop alone: it takes
 every request in and turns every engine step into outputs, one loop for the whole worker. Unless

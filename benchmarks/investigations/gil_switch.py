@@ -1,6 +1,6 @@
 """Worker intake beside a busy engine loop, by the GIL's switch interval (``VQUEUE_GIL_SWITCH_MS``).
 
-    .venv/bin/python -m benchmarks.gil_switch [--jobs 1000] [--intervals 5,1,0.25]
+    .venv/bin/python -m benchmarks.investigations.gil_switch [--jobs 1000] [--intervals 5,1,0.25]
 
 A real Celery worker process whose engine is an instant STUB that also runs one CPU-bound Python
 thread, standing in for vLLM's frontend loop (input and output processing, in the worker's own
@@ -56,7 +56,7 @@ def run(url: str, interval_ms: float, n: int) -> dict[str, Any]:
         VQUEUE_BROKER_URL=url,
         VQUEUE_QUEUE=s.queue,
         VQUEUE_KEY_PREFIX=s.key_prefix,
-        VQUEUE_ENGINE_CLASS="benchmarks.gil_switch:BusyStubEngine",
+        VQUEUE_ENGINE_CLASS="benchmarks.investigations.gil_switch:BusyStubEngine",
         VQUEUE_CONCURRENCY="256",
         VQUEUE_HEARTBEAT_S="1",
         VQUEUE_METRICS_PORT="0",
@@ -113,7 +113,7 @@ def main() -> None:
         "date": date,
         "host": platform.node(),
         "cpus": os.cpu_count(),
-        "command": " ".join(["python -m benchmarks.gil_switch", *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmarks.investigations.gil_switch", *sys.argv[1:]]),
         "rows": rows,
     }
     out.write_text(json.dumps(doc, indent=2))

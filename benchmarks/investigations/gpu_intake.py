@@ -1,6 +1,6 @@
 """How fast a worker takes jobs in, by intake processes, and where an intake process's time goes.
 
-    python -m benchmarks.gpu_intake --model /tmp/models/qwen05 --out $OUT/intake \
+    python -m benchmarks.investigations.gpu_intake --model /tmp/models/qwen05 --out $OUT/intake \
         [--runs "4;8,VQUEUE_PREFIX_GATING=false"] [--prefix-rounds 3] [--tiny 12000] \
         [--profile tiny|prefix]
 
@@ -16,8 +16,8 @@ worker, and on it:
 With ``--profile tiny`` or ``prefix`` (py-spy on PATH), py-spy samples the first run's: GIL holders
 over the worker and all its processes (``gil-<n>.txt``), then, over the same jobs again, one
 intake process's threads, waiting included (``wall-<n>.txt``); ``python3 -m
-benchmarks.gil_profile`` sums them (on the device kit: copy the py-spy binary from its manylinux
-wheel, ``py_spy-*.data/scripts/py-spy``, into ``.gpu/b/bin``). Prints a table and writes
+benchmarks.profiling.gil_profile`` sums them (on the device kit: copy the py-spy binary from its
+manylinux wheel, ``py_spy-*.data/scripts/py-spy``, into ``.gpu/b/bin``). Prints a table and writes
 intake.json after each worker.
 """
 
@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import workloads as wl
-from .gpu_suite import Stamps, own_worker, phases, stop
+from .. import workloads as wl
+from ..gpu_suite import Stamps, own_worker, phases, stop
 
 
 def timed(client: Any, jobs: list[dict[str, Any]], timeout: float) -> dict[str, Any]:

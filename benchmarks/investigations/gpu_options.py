@@ -1,6 +1,6 @@
 """The seed notes' options, measured through the real queue: one worker, one GPU.
 
-    python -m benchmarks.gpu_options --model /tmp/models/qwen05 --out $OUT
+    python -m benchmarks.investigations.gpu_options --model /tmp/models/qwen05 --out $OUT
 
 1. System prompt: the same summary jobs with no system turn, vqueue's default (one sentence) and
    a verbose ~300-character one. Time to first token (engine: first token - job start) one job
@@ -28,8 +28,8 @@ from typing import Any
 from benchmarks import plugin_env
 from schemas import Settings
 
-from .gpu_suite import launch_worker, pct, stop
-from .workloads import WORDS
+from ..gpu_suite import launch_worker, pct, stop
+from ..workloads import WORDS
 
 ROOT = Path(__file__).resolve().parent.parent
 VERBOSE = (
@@ -156,7 +156,7 @@ def main() -> None:
             from schemas import ExtractJob
             from worker.prompts import build_messages
 
-            from .workloads import SCHEMAS
+            from ..workloads import SCHEMAS
 
             settings = Settings(_env_file=None)
             backend = os.environ.get("VQUEUE_STRUCTURED_OUTPUTS_BACKEND", "guidance")

@@ -1,6 +1,6 @@
 """Prefix gating and grouping on a prefix-heavy workload, through the real queue, one GPU.
 
-    python -m benchmarks.gpu_prefix --model /tmp/models/qwen05 --out $OUT
+    python -m benchmarks.investigations.gpu_prefix --model /tmp/models/qwen05 --out $OUT
 
 50 code contexts of ~1,000 tokens, 40 codegen jobs on each with ~200-token instructions, 128
 output tokens, shuffled. Run twice on a fresh worker each time: with prefix gating (worker) and
@@ -21,8 +21,8 @@ from typing import Any
 from benchmarks import plugin_env
 from schemas import CodegenJob, Settings
 
-from .gpu_suite import launch_worker, stop
-from .workloads import WORDS
+from ..gpu_suite import launch_worker, stop
+from ..workloads import WORDS
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,6 +1,6 @@
 """Which instruction makes a small model answer in the document's language (docs/quality.md).
 
-    .venv/bin/python -m benchmarks.language_prompts [--model PATH]
+    .venv/bin/python -m benchmarks.investigations.language_prompts [--model PATH]
 
 vLLM offline, greedy, the worker's summarize system prompt; two Chinese texts, one English, one
 French, each under five instructions. Counts a Chinese text answered in Chinese when more than

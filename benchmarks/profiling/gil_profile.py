@@ -1,11 +1,11 @@
 """Sum a py-spy raw profile (``--subprocesses --gil --format raw``) by process and by stack.
 
-    python3 -m benchmarks.gil_profile gil.txt [--top 8] [--depth 3] [--by-thread]
+    python3 -m benchmarks.profiling.gil_profile gil.txt [--top 8] [--depth 3] [--by-thread]
 
 With ``--gil`` a sample is taken only from the thread holding its process's GIL, so a process's
 samples over the recording's ``rate x duration`` say how busy its interpreter was, and its top
-stacks say with what. ``benchmarks/gpu_intake.py --profile`` records one on the H200, and a
-second of one intake process with ``--idle --threads`` (every thread, waiting included):
+stacks say with what. ``benchmarks/investigations/gpu_intake.py --profile`` records one on the
+H200, and a second of one intake process with ``--idle --threads`` (every thread, waiting included):
 ``--by-thread`` sums that one by thread, which says where Celery's consumer thread spends its
 wall clock.
 """

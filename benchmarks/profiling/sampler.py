@@ -10,10 +10,11 @@ a lock, a socket or a queue costs nothing, a thread in C code (tokenizers, xgram
 it burns. Garbage collections are timed too (``gc;generation N``, wall seconds, whichever
 thread ran them). Collapsed stacks (``thread;frames seconds``) go to
 ``<dir>/<part>/<process title>-<pid>.txt``. The suite's ``--profile`` starts every process with
-``benchmarks/profile_hook`` on ``PYTHONPATH`` (its ``sitecustomize`` calls ``start``) and turns
+``benchmarks/profiling/hook`` on ``PYTHONPATH`` (its ``sitecustomize`` calls ``start``) and turns
 sampling on for each run of one extra, unmeasured round (part: ``<workload>-<system>``).
 
-    python -m benchmarks.sampler DIR/PART [--top 25]  # per process: CPU seconds by thread, function
+    # per process: CPU seconds by thread, function
+    python -m benchmarks.profiling.sampler DIR/PART [--top 25]
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def summarize(folder: Path, top: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="summarize benchmarks.sampler files")
+    ap = argparse.ArgumentParser(description="summarize benchmarks.profiling.sampler files")
     ap.add_argument("folder", type=Path)
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()

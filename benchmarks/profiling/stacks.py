@@ -1,6 +1,7 @@
 """Where two runs' time differs, from py-spy's collapsed stacks (``guided_raw --py-spy``).
 
-    python -m benchmarks.stacks py-spy-inproc.txt --runs guided_run,unconstrained_run --out s.json
+    python -m benchmarks.profiling.stacks py-spy-inproc.txt \
+        --runs guided_run,unconstrained_run --out s.json
 
 Only stacks that pass through a run's marker frame count (the benchmark calls each run through a
 function of its own name), so other threads and the engine's start are left out. For every

@@ -1,6 +1,7 @@
 """Loaded by every Python process started with this folder on ``PYTHONPATH`` (the suite's
-``--profile``): starts ``benchmarks/sampler.py`` in it when ``VQUEUE_BENCH_PROFILE_DIR`` is set.
-Loaded from its file: at start-up the project is not on ``sys.path`` yet."""
+``--profile``): starts ``benchmarks/profiling/sampler.py`` in it when
+``VQUEUE_BENCH_PROFILE_DIR`` is set. Loaded from its file: at start-up the project is not on
+``sys.path`` yet."""
 
 import os
 
