@@ -2,7 +2,7 @@
 
 System prompts are deliberately short (the defaults live in ``Settings``): every system-prompt
 token is prefilled for every job, so a verbose one delays every job's first token
-(docs/benchmarks.md, `gpu-options-2026-11-29.json`).
+(docs/benchmarks.md, short system prompts).
 """
 
 from __future__ import annotations
