@@ -33,6 +33,7 @@ MAX_SCHEMA_CHARS = 64_000  # a JSON Schema this large is a mistake, and compilin
 MAX_SCHEMA_DEPTH = 32  # grammar compilation recurses; deeper schemas are rejected at submit
 MAX_OUTPUT_TOKENS = 32_768  # above any max_model_len we configure by default
 MAX_CHOICES = 128  # a chat job's n, OpenAI's own bound
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"  # extraction template names
 # Batch ids become Redis keys and the first half of Celery task ids (``batch:job``): no ``:``,
 # no spaces or globs, so ``V:done`` can never name another batch's key.
@@ -285,6 +286,9 @@ class ChatJob(_JobBase):
     # answers to the same messages, each its own request in the engine (``seed`` + k for the
     # k-th when a seed is set): OpenAI's ``n``; the result carries them in ``choices``
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    # OpenAI's logprobs: true with top_logprobs k (0-20): each answer token's log probability
+    # and the k likeliest at its place, in the result's ``logprobs``
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # an OpenAI line whose body asks for what vqueue does not do: the job is queued like any
     # other and the worker fails it at once with this (``unsupported_parameter``), so the
     # request fails alone and the batch goes on, as OpenAI answers such a request with a 400

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .jobs import MAX_OUTPUT_TOKENS, ChatJob, ChatMessage, Unsupported
-from .results import Choice, JobResult
+from .results import Choice, JobResult, TokenLogprob
 
 # Body fields that change nothing for a batch run by vqueue, taken and ignored as OpenAI's batch
 # takes them: who asked, storage and tiers, reasoning hints for models that have none here
@@ -67,8 +67,11 @@ class ChatCompletionBody(BaseModel):
     def unsupported(self) -> Unsupported | None:
         """The first field of this body vqueue cannot honour, and why; None when it can."""
         asks = [
-            ("logprobs", bool(self.logprobs), "does not return log probabilities"),
-            ("top_logprobs", bool(self.top_logprobs), "does not return log probabilities"),
+            (
+                "top_logprobs",
+                self.top_logprobs is not None and not self.logprobs,
+                "takes top_logprobs only beside logprobs: true",
+            ),
             ("stream", bool(self.stream), "a batch request is not streamed"),
             ("tools", bool(self.tools), "does not call tools"),
             ("tool_choice", self.tool_choice not in (None, "none"), "does not call tools"),
@@ -127,6 +130,8 @@ class BatchRequestInput(BaseModel):
             fields["logit_bias"] = b.logit_bias
         if b.n is not None:
             fields["n"] = b.n
+        if b.logprobs:
+            fields["logprobs"] = b.top_logprobs or 0
         fields["unsupported"] = b.unsupported()
         return ChatJob.model_validate(fields)
 
@@ -162,11 +167,18 @@ def output_line(result: JobResult) -> dict[str, Any]:
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": None,
+                "logprobs": _logprobs(c.logprobs),
                 "finish_reason": c.finish_reason,
             }
             for c in result.choices
-            or [Choice(index=0, text=result.text, finish_reason=result.finish_reason)]
+            or [
+                Choice(
+                    index=0,
+                    text=result.text,
+                    finish_reason=result.finish_reason,
+                    logprobs=result.logprobs,
+                )
+            ]
         ],  # fmt: skip
         "usage": {
             "prompt_tokens": result.usage.prompt_tokens,
@@ -180,6 +192,13 @@ def output_line(result: JobResult) -> dict[str, Any]:
         "response": {"status_code": 200, "request_id": result.id, "body": body},
         "error": None,
     }
+
+
+def _logprobs(tokens: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` as OpenAI writes it; None when the request did not ask."""
+    if tokens is None:
+        return None
+    return {"content": [t.model_dump() for t in tokens], "refusal": None}
 
 
 def rejected_line(custom_id: str | None, line_no: int, message: str) -> dict[str, Any]:

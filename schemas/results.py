@@ -107,6 +107,22 @@ class Timings(BaseModel):
     previous_finished_at: float | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(BaseModel):
+    """One answer token as OpenAI's ``logprobs.content`` has it: the token, its log
+    probability, its UTF-8 bytes, and the likeliest tokens at its place."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
 class Choice(BaseModel):
     """One of a chat job's ``n`` answers; the first is also the result's own ``text``."""
 
@@ -114,6 +130,7 @@ class Choice(BaseModel):
     text: str | None = None
     data: Any = None
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class JobResult(BaseModel):
@@ -142,6 +159,8 @@ class JobResult(BaseModel):
     # a chat job with n > 1: every answer in order (usage counts the prompt once, and the
     # tokens of all of them)
     choices: list[Choice] | None = None
+    # a chat job that asked for logprobs: one entry per answer token (of the first choice)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class BatchStatus(BaseModel):

@@ -18,11 +18,26 @@ import time
 from typing import Any
 
 from schemas import Settings
+from schemas.results import TokenLogprob, TopLogprob
 from worker.engine import Generation
 from worker.metrics import EngineStats
 
 POISON = "KILL-THE-WORKER"
 BUG = "RAISE-IN-WORKER"
+
+
+def _logprobs(k: int | None) -> list[TokenLogprob] | None:
+    """The fixed answer's two tokens, each the likeliest, when a request asks for logprobs."""
+    if k is None:
+        return None
+    tokens = []
+    for text in ("stub", " output"):
+        alts = [TopLogprob(token=text, logprob=-0.1, bytes=list(text.encode()))]
+        alts += [TopLogprob(token=f"alt{i}", logprob=-5.0 - i, bytes=list(f"alt{i}".encode()))
+                 for i in range(1, k)]  # fmt: skip
+        tokens.append(TokenLogprob(token=text, logprob=-0.1, bytes=list(text.encode()),
+                                   top_logprobs=alts[:k]))  # fmt: skip
+    return tokens
 
 
 class FakeEngine:
@@ -79,6 +94,7 @@ class FakeEngine:
                 prompt_tokens=len(prompt_ids),
                 completion_tokens=2,
                 first_token_at=time.time(),
+                logprobs=_logprobs(params.logprobs),
             )
         finally:
             with self._lock:

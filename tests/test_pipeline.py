@@ -146,6 +146,26 @@ def test_a_chat_job_with_n_answers_n_times_each_seeded(client: Client) -> None:
     assert [c.text for c in again.choices] == [c.text for c in first.choices]
 
 
+def test_a_chat_job_asking_for_logprobs_gets_each_tokens_and_the_likeliest(
+    client: Client,
+) -> None:
+    # Given a greedy chat job of exactly 8 tokens asking for the 3 likeliest at each place
+    ask = [{"role": "user", "content": "Count from one to ten in words."}]
+    job = {"type": "chat", "id": "lp", "logprobs": 3, "max_tokens": 8, "min_tokens": 8,
+           "ignore_eos": True, "messages": ask}  # fmt: skip
+    r = client.submit(job).result("lp", timeout=300)
+    assert r.status == "completed" and r.logprobs is not None, r.error
+    # Then there is one entry per answer token, their texts making up the answer
+    assert len(r.logprobs) == r.usage.completion_tokens == 8
+    assert "".join(t.token for t in r.logprobs) == r.text
+    for t in r.logprobs:
+        # each with its bytes, and three alternatives, likeliest first, the greedy pick the first
+        assert t.bytes == list(t.token.encode()) and t.logprob <= 0
+        alts = [a.logprob for a in t.top_logprobs]
+        assert len(alts) == 3 and alts == sorted(alts, reverse=True)
+        assert t.top_logprobs[0].token == t.token and abs(alts[0] - t.logprob) < 1e-4
+
+
 def test_single_job_submit_and_wait(client: Client) -> None:
     batch = client.submit(
         {"type": "summarize", "id": "one", "text": "Cats sleep a lot.", "max_tokens": 24}

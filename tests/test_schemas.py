@@ -20,6 +20,7 @@ from schemas import (
     job_json_schema,
     output_line,
 )
+from schemas.results import TokenLogprob, TopLogprob
 
 jobs = TypeAdapter(Job)
 
@@ -176,9 +177,12 @@ def test_openai_bodies_are_taken_as_openai_writes_them() -> None:
     )
     assert job.logit_bias == {42: -100.0}
     assert parse_line(1, _guide_line("n", n=3)).job.n == 3
+    assert parse_line(1, _guide_line("l", logprobs=True, top_logprobs=2)).job.logprobs == 2
+    assert parse_line(1, _guide_line("l", logprobs=True)).job.logprobs == 0
+    assert parse_line(1, _guide_line("l")).job.logprobs is None
     # and each thing vqueue does not do is a job that fails alone, naming its field
     for body, param in [
-        ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"stream": True}, "stream"),
         ({"frobnicate": 1}, "frobnicate"),
@@ -211,6 +215,15 @@ def test_openai_output_lines_follow_the_batch_output_format() -> None:
     assert out["custom_id"] == "r1" and out["error"] is None
     assert out["response"]["status_code"] == 200
     assert out["response"]["body"]["choices"][0]["message"]["content"] == "Paris"
+    assert out["response"]["body"]["choices"][0]["logprobs"] is None
+    # a request that asked for logprobs gets them in OpenAI's shape
+    top = TopLogprob(token="Paris", logprob=-0.01, bytes=[80, 97, 114, 105, 115])
+    lp = TokenLogprob(token="Paris", logprob=-0.01, bytes=top.bytes, top_logprobs=[top])
+    choice = output_line(ok.model_copy(update={"logprobs": [lp]}))["response"]["body"]["choices"][0]
+    assert choice["logprobs"] == {"refusal": None, "content": [{
+        "token": "Paris", "logprob": -0.01, "bytes": [80, 97, 114, 105, 115],
+        "top_logprobs": [{"token": "Paris", "logprob": -0.01, "bytes": [80, 97, 114, 105, 115]}],
+    }]}  # fmt: skip
     bad = ok.model_copy(
         update={"status": "failed", "error": JobError(type="prompt_too_long", message="m")}
     )

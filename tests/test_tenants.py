@@ -505,19 +505,19 @@ def test_models_lists_what_live_workers_serve(served: Served) -> None:
 
 def test_an_openai_file_with_fields_vqueue_does_not_do_completes(served: Served) -> None:
     # Given a chat batch written as OpenAI's guide writes them: one plain request, one asking
-    # for two choices, one for tools
+    # for two choices, one for log probabilities, one for tools
     def req(cid: str, **body: Any) -> dict[str, Any]:
         return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
                 "body": {"model": "gpt-4o-mini", "user": "u", "max_completion_tokens": 8,
                          "messages": [{"role": "user", "content": "Hi"}], **body}}  # fmt: skip
 
-    lines = [req("plain", n=1, logprobs=False), req("two", n=2), req("tool", tools=[{}])]
+    lines = [req("plain", n=1, logprobs=False), req("two", n=2),
+             req("lp", logprobs=True, top_logprobs=2), req("tool", tools=[{}])]  # fmt: skip
     sdk, bid = served.batch("a", lines, endpoint="/v1/chat/completions")
-    # Then the batch completes: the plain request and the two choices answered, tools failed
-    # alone
+    # Then the batch completes: all answered but tools, which failed alone
     done = _until(sdk, bid, ("completed", "failed"))
     assert done.status == "completed", done
-    assert (done.request_counts.completed, done.request_counts.failed) == (2, 1), done
+    assert (done.request_counts.completed, done.request_counts.failed) == (3, 1), done
     # with the 400 line OpenAI writes, naming the field
     errors = {
         x["custom_id"]: x["response"]
@@ -533,13 +533,18 @@ def test_an_openai_file_with_fields_vqueue_does_not_do_completes(served: Served)
     }
     assert [c["index"] for c in answers["two"]["choices"]] == [0, 1]
     assert len(answers["plain"]["choices"]) == 1
+    assert answers["plain"]["choices"][0]["logprobs"] is None
+    # the log probabilities in OpenAI's shape, two alternatives a token
+    content = answers["lp"]["choices"][0]["logprobs"]["content"]
+    assert [t["token"] for t in content] == ["stub", " output"]
+    assert all(len(t["top_logprobs"]) == 2 and t["bytes"] for t in content), content
     assert {a["model"] for a in answers.values()} == {"fake"} and done.model == "fake"
     plain, two = answers["plain"]["usage"], answers["two"]["usage"]
     # a request's usage counts its prompt once and every choice's tokens
     assert (plain["completion_tokens"], two["completion_tokens"]) == (2, 4), answers
     assert plain["prompt_tokens"] == two["prompt_tokens"] > 0
-    assert done.usage.output_tokens == 6, done.usage
-    assert done.usage.input_tokens == 2 * plain["prompt_tokens"], done.usage
+    assert done.usage.output_tokens == 8, done.usage
+    assert done.usage.input_tokens == 3 * plain["prompt_tokens"], done.usage
     assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas import Settings
+from schemas.results import TokenLogprob, TopLogprob
 
 from . import metrics
 from .confidence import (
@@ -36,6 +37,7 @@ from .frontend import (
     EngineError,
     FrontendLink,
     FrontendProcess,
+    Output,
     connect,
 )
 from .metrics import EngineStats
@@ -82,6 +84,7 @@ class Generation:
     finished_at: float | None = None  # wall clock: the final output reached vLLM's frontend
     aborted: bool = False  # the confidence monitor stopped it (logprob early stop)
     confidence: Reading | None = None  # the monitor's numbers, when it watched this request
+    logprobs: list[TokenLogprob] | None = None  # when the request asked for them
 
 
 class EngineHost:
@@ -245,7 +248,30 @@ class EngineHost:
             finished_at=out.finished_at,
             aborted=aborted,
             confidence=reading,
+            logprobs=self._logprobs(out) if out.logprobs is not None else None,
         )
+
+    def _logprobs(self, out: Output) -> list[TokenLogprob]:
+        """The output's per-token logprobs with each token's text, for the tokens its text
+        holds: the EOS or stop token that ended it is left out, as from the text."""
+        entries = out.logprobs or []
+        if out.finish_reason == "stop" and not isinstance(out.stop_reason, str) and entries:
+            entries = entries[:-1]
+        ids = sorted({t for tid, _, top in entries for t in (tid, *(x for x, _ in top))})
+        texts = dict(zip(ids, self.prompts.token_texts(ids), strict=True))
+
+        def top(t: int, lp: float) -> TopLogprob:
+            return TopLogprob(token=texts[t], logprob=lp, bytes=list(texts[t].encode()))
+
+        return [
+            TokenLogprob(
+                token=texts[tid],
+                logprob=lp,
+                bytes=list(texts[tid].encode()),
+                top_logprobs=[top(t, x) for t, x in alts],
+            )  # fmt: skip
+            for tid, lp, alts in entries
+        ]
 
     def active_batches(self) -> list[str]:
         """Batches with a request in the engine now."""

@@ -79,6 +79,10 @@ class EngineDead(RuntimeError):
     """The engine process is gone: no job can run here any more; the worker must restart."""
 
 
+# per output token: its id, its log probability, and the likeliest (id, log probability) pairs
+TokenLogprobs = list[tuple[int, float, list[tuple[int, float]]]]
+
+
 @dataclass(frozen=True)
 class Output:
     """One finished request, as the frontend reports it."""
@@ -98,6 +102,9 @@ class Output:
     # the output's token ids, for a request sent with ``detokenize=False`` (its ``text`` is
     # empty: the worker's process decodes them, ``PromptTokenizer.output_text``)
     token_ids: list[int] | None = None
+    # a request that asked for ``logprobs`` k: per output token, its id and log probability,
+    # and the k likeliest (id, log probability) at its place, likeliest first
+    logprobs: TokenLogprobs | None = None
 
 
 # ------------------------------------------------------------------------- the worker's end
@@ -691,6 +698,7 @@ class Frontend:
             reading=reading,
             finished_at=time.time(),
             token_ids=None if params.detokenize else list(choice.token_ids),
+            logprobs=_token_logprobs(choice, params.logprobs) if rule is None else None,
         )
 
 
@@ -698,6 +706,23 @@ def _exposition() -> str:
     from prometheus_client import REGISTRY, generate_latest
 
     return generate_latest(REGISTRY).decode()
+
+
+def _token_logprobs(choice: Any, k: int | None) -> TokenLogprobs | None:
+    """vLLM's per-token logprobs of a finished output (a dict of token id to ``Logprob`` per
+    position, the sampled token always among them), as plain tuples that pickle small."""
+    if k is None or choice.logprobs is None:
+        return None
+    out = []
+    for tid, top in zip(choice.token_ids, choice.logprobs, strict=False):
+        likeliest = sorted(top.items(), key=lambda kv: -kv[1].logprob)[:k]
+        sampled = top.get(tid)
+        out.append((
+            tid,
+            sampled.logprob if sampled is not None else float("-inf"),
+            [(t, lp.logprob) for t, lp in likeliest],
+        ))  # fmt: skip
+    return out
 
 
 def _rule_holds(rule: LogprobRule, logprobs: Any) -> bool:

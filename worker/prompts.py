@@ -428,6 +428,13 @@ class PromptTokenizer:
         with self._gate(priority):
             return str(self.tokenizer.decode(ids))
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each token on its own, as vLLM's logprobs name them (``convert_ids_to_tokens``, then
+        each token made a string alone): a byte-level token that is part of a character reads
+        as a replacement character, as in vLLM's server; its ``bytes`` are those of that text."""
+        t = self.tokenizer
+        return [t.convert_tokens_to_string([tok]) for tok in t.convert_ids_to_tokens(list(ids))]
+
     @property
     def decodes_outputs(self) -> bool:
         return self.encoder.decodes_outputs

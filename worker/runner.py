@@ -172,6 +172,7 @@ def _answer(
         )
     result.text = gen.text
     result.finish_reason = gen.finish_reason
+    result.logprobs = gen.logprobs
     result.usage = Usage(
         prompt_tokens=gen.prompt_tokens,
         completion_tokens=gen.completion_tokens,
@@ -241,7 +242,9 @@ def _choices(
     for f in rest:
         f.result()  # the first of the others to fail fails the job
     result.choices = [
-        Choice(index=k, text=r.text, data=r.data, finish_reason=r.finish_reason)
+        Choice(
+            index=k, text=r.text, data=r.data, finish_reason=r.finish_reason, logprobs=r.logprobs
+        )
         for k, r in enumerate(runs)
     ]
     result.attempts += [a for r in runs[1:] for a in r.attempts]
@@ -259,6 +262,8 @@ def early_stop_policy(job: Any, settings: Settings) -> EarlyStop | None:
     off (by either, or because the worker runs without the monitor)."""
     if not settings.confidence_monitor or job.early_stop is False:
         return None
+    if isinstance(job, ChatJob) and job.logprobs is not None:
+        return None  # the answer's log probabilities are those it was sampled with, unretried
     policy = settings.early_stop(job.type)
     if job.early_stop is True:
         policy = policy.model_copy(update={"enabled": True})
@@ -547,6 +552,7 @@ def sampling_params(
         ),
         presence_penalty=job.presence_penalty,
         logit_bias=job.logit_bias or None,
+        logprobs=job.logprobs if isinstance(job, ChatJob) else None,
         # Only the final output crosses back to the task thread: no per-token work in Python.
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
