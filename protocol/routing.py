@@ -93,14 +93,21 @@ def move_all(broker: redis.Redis, src: str, dst: str) -> int:
     return moved
 
 
-def rescue_orphans(store: Any, broker: redis.Redis, queue: str, watch_s: float) -> int:
+def rescue_orphans(
+    store: Any, broker: redis.Redis, queue: str, watch_s: float, me: str | None = None
+) -> int:
     """Move the jobs in the own queues of ``queue``'s workers that are gone (heartbeat run out)
     to the shared queue: no scan of the keyspace. A dead worker's unacknowledged jobs return to
     its own queue (kombu restores a job to the queue it came from) once the visibility timeout
-    has passed, so its queue is watched for ``watch_s`` after its death, then forgotten."""
+    has passed, so its queue is watched for ``watch_s`` after its death, then forgotten.
+
+    ``me`` is the calling worker: after Redis was away for longer than a heartbeat lasts, its
+    own entry has run out too, yet it is alive and consumes its queue; it is never rescued."""
     moved = 0
     now = time.time()
     for name, gone_at in store.gone_workers(queue):
+        if name == me:
+            continue
         own = worker_queue(queue, name)
         if queue_depth(broker, own):
             moved += move_all(broker, own, queue)

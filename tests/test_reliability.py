@@ -102,6 +102,18 @@ def _started(client: Client, batch: str) -> int:
     return int(client.store.r.hlen(client.store.key(batch, "attempts")))
 
 
+def _where(client: Client, batch: str, worker: WorkerProc, stderr: bytes | None) -> str:
+    """What a stuck wait leaves to read: the batch's counts, the broker's lists, the producer's
+    stderr and the worker's log."""
+    r = client.store.r
+    lists = {str(k): r.llen(k) for k in r.scan_iter(match="faults*") if r.type(k) == "list"}
+    return (
+        f"results {_done(client, batch)}, started {_started(client, batch)}, lists {lists}, "
+        f"unacked {r.hlen('unacked')}\nproducer stderr:\n{(stderr or b'').decode()[-2000:]}\n"
+        f"worker log:\n{worker.log_path.read_text()[-6000:]}"
+    )
+
+
 def _running(p: Any) -> bool:
     """A psutil process still running (a zombie is not)."""
     import psutil
@@ -180,7 +192,10 @@ def test_redis_restart_mid_batch(procs: Procs, fault_redis: RedisServer, tmp_pat
     at_stop = _done(client, "restart")
 
     # Then the producer's --wait finishes with every job, each exactly once
-    out, err = producer.communicate(timeout=300)
+    try:
+        out, err = producer.communicate(timeout=300)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(_where(client, "restart", w, exc.stderr)) from None
     assert producer.returncode == 0, err.decode()[-2000:]
     summary = json.loads(out.decode().strip().splitlines()[-1])
     assert summary == {"batch": "restart", "enqueued": 200, "rejected": 0,
@@ -189,6 +204,8 @@ def test_redis_restart_mid_batch(procs: Procs, fault_redis: RedisServer, tmp_pat
     assert sorted(json.loads(x)["id"] for x in lines) == [j["id"] for j in _jobs(200)]
     figures = _exactly_once(client, "restart", 200)
     assert w.stop() == 0  # and the worker rode it out
+    # its heartbeat ran out while Redis was away, yet it never took itself for a dead worker
+    assert "jobs of workers that are gone" not in w.log_path.read_text()
     _report("redis restart mid-batch", {"jobs": 200, "results_before_restart": at_stop, **figures})
 
 

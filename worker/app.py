@@ -650,7 +650,8 @@ def _heartbeat() -> None:
             store.heartbeat(state.name, info, ttl_s=3 * settings.heartbeat_s)
             # a dead worker's jobs come back to its own queue after the visibility timeout
             watch_s = 2 * settings.visibility_timeout_s + 60
-            moved = rescue_orphans(store, broker, settings.queue, watch_s)
+            # never this engine's own queue: it is consumed here, whatever the registry says
+            moved = rescue_orphans(store, broker, settings.queue, watch_s, me=of or state.name)
             if moved:
                 log.warning("moved %d jobs of workers that are gone to %s", moved, settings.queue)
         except Exception as exc:  # Redis restarting: keep trying, the worker itself is fine
