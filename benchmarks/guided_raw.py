@@ -59,6 +59,12 @@ def main() -> None:
         "thread at 100 Hz without pausing the process, idle ones included, to "
         "py-spy-VARIANT.txt (collapsed, one stack a line; benchmarks/profiling/stacks.py reads it)",
     )
+    ap.add_argument(
+        "--tokens-only",
+        action="store_true",
+        help="one guided run per variant, with no warm-up and no unconstrained run: the tokens "
+        "and grammar check (what tests/test_engine_plugin.py compares), no speed figure",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     out = Path(a.out)
@@ -94,6 +100,7 @@ def main() -> None:
             "--rounds",
             str(a.rounds),
             *(["--dummy-weights"] if a.dummy_weights else []),
+            *(["--tokens-only"] if a.tokens_only else []),
             *(["--threads-sweep", a.threads_sweep] if a.threads_sweep else []),
         ]
         venv = dict(
@@ -222,10 +229,11 @@ def child(a: argparse.Namespace, path: Path) -> None:
             bad += m.validate_tokens(ids) != len(ids)
         return bad
 
-    llm.generate(prompts[:64], guided[:64], use_tqdm=False)  # warm-up: grammars, masks, graphs
-    # every prompt prefilled once, so the prefix cache serves both sides alike: otherwise the
-    # first run measured pays for all the prefills (on a 7B model, a third of its time)
-    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    if not a.tokens_only:
+        llm.generate(prompts[:64], guided[:64], use_tqdm=False)  # warm-up: grammars, masks
+        # every prompt prefilled once, so the prefix cache serves both sides alike: otherwise
+        # the first run measured pays for all the prefills (on a 7B model, a third of its time)
+        llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
 
     def measure(r: int, run: str, params: list[Any], more: Any = None) -> list[int]:
         wall, lengths = (guided_run if run == "guided" else unconstrained_run)(params)
@@ -262,6 +270,9 @@ def child(a: argparse.Namespace, path: Path) -> None:
             for n in lengths
         ]
 
+    if a.tokens_only:
+        measure(0, "guided", guided, checked)
+        return
     sweep = [int(t) for t in a.threads_sweep.split(",") if t] if a.child == "inproc" else []
     lengths: list[int] = []
     for r in range(a.rounds):

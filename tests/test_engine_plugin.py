@@ -221,6 +221,7 @@ def test_batched_guided_step_gives_the_same_tokens(tmp_path: Path) -> None:
             "1",
             "--variants",
             "stock,parallel",
+            "--tokens-only",
         ],  # fmt: skip
         cwd=ROOT,
         env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"},
