@@ -567,6 +567,7 @@ def test_waiting_says_when_nothing_will_come(procs: Procs, fault_redis: RedisSer
     w.wait_ready(redis.Redis.from_url(fault_redis.url), timeout=120)
     proc = _cli("results", batch, "--wait", url=fault_redis.url, VQUEUE_WAIT_STALL_S="3")
     assert proc.returncode == 8 and b"no new result for" in proc.stderr, proc.stderr
+    w.kill9()  # its jobs never finish: a warm shutdown would wait out the teardown's 30 s
 
 
 def test_a_redis_that_may_evict_is_reported(procs: Procs, tmp_path: Path) -> None:
