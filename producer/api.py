@@ -284,25 +284,30 @@ class ApiStore:
                     b = BatchObject.model_validate_json(h["obj"])
                     if b.status in unless:
                         pipe.reset()
-                        return self._live(b)
+                        return self.live(b)
                     b = b.model_copy(update=changes)
                     if b.status in FINAL_STATES and "request_counts" not in changes:
                         b = self._counted(b)  # an ended batch keeps its last counts
                     pipe.multi()
                     self.save(h["tenant"], b, pipe)
                     pipe.execute()
-                    return self._live(b)
+                    return self.live(b)
                 except redis.WatchError:
                     continue
 
-    def batch(self, tenant: str | None, bid: str) -> tuple[str, BatchObject] | None:
-        """(its tenant, the batch); None when absent or another tenant's."""
+    def batch(
+        self, tenant: str | None, bid: str, live: bool = True
+    ) -> tuple[str, BatchObject] | None:
+        """(its tenant, the batch); None when absent or another tenant's. ``live=False`` leaves
+        an open batch's counts as last stored, for a caller that reads them itself
+        (``Batches.advance``): one read of the batch store's counters a call, not three."""
         h = self.r.hgetall(f"{self.p}:batch:{bid}")
         if not h or (tenant is not None and h.get("tenant") != tenant):
             return None
-        return h["tenant"], self._live(BatchObject.model_validate_json(h["obj"]))
+        b = BatchObject.model_validate_json(h["obj"])
+        return h["tenant"], self.live(b) if live else b
 
-    def _live(self, b: BatchObject) -> BatchObject:
+    def live(self, b: BatchObject) -> BatchObject:
         """An open batch's counts, tokens and model, read from the batch store's own fields,
         which every worker increments as it records a result. The stored object takes them
         only when the batch ends: a batch in progress is never rewritten for its counts."""
@@ -613,14 +618,14 @@ class Batches:
 
     def advance(self, bid: str) -> BatchObject | None:
         """Counts, deadline, and the end: output and error files, the final state."""
-        found = self.store.batch(None, bid)
+        found = self.store.batch(None, bid, live=False)
         if found is None:
             return None
         tenant, b = found
         if b.status in FINAL_STATES:
             return b
         if b.status == "validating" or self._unfed(b):
-            return self._sweep(tenant, b)
+            return self.store.live(self._sweep(tenant, b))
         st = self.store.batches.status(bid)
         if st is None:  # the batch store expired it
             return self._update(tenant, bid, status="expired", expired_at=int(time.time()))
@@ -634,10 +639,10 @@ class Batches:
             st = self.store.batches.status(bid) or st
             changes = _progress(b, st)
         if not (sealed and st.done >= st.total):
-            return b.model_copy(update=changes)  # counts are read live (ApiStore._live)
+            return b.model_copy(update=changes)  # counts are read live (ApiStore.live)
         with self.store.lock(bid) as mine:
             if not mine:
-                return b
+                return b.model_copy(update=changes)
             self._update(tenant, bid, status="finalizing", finalizing_at=now, **changes)
             out, err = self._write_outputs(tenant, b)
             # how it ended is what was withdrawn, if anything: the first of cancel and expiry;
@@ -780,7 +785,7 @@ def create_app(settings: Settings | None = None) -> Any:
             try:
                 await run_in_threadpool(store.expire)
                 for bid in await run_in_threadpool(store.active):
-                    before = await run_in_threadpool(store.batch, None, bid)
+                    before = await run_in_threadpool(store.batch, None, bid, False)
                     b = await run_in_threadpool(batches.advance, bid)
                     if b and before and b.status != before[1].status and b.status in FINAL_STATES:
                         batch_states.labels(b.status).inc()
@@ -947,7 +952,7 @@ def create_app(settings: Settings | None = None) -> Any:
 
     @app.get("/v1/batches/{bid}", response_model=BatchObject)
     def get_batch(bid: str, who: str = Depends(tenant)) -> BatchObject:
-        if store.batch(who, bid) is None:
+        if store.batch(who, bid, live=False) is None:
             raise fail(404, f"no batch {bid!r}")
         b = batches.advance(bid)
         assert b is not None
