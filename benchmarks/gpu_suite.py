@@ -579,6 +579,33 @@ class Vqueue:
             **parts,
         )
 
+    def options_check(self) -> dict[str, Any]:
+        """The chat options whose answer reads more of vLLM's output than text and token ids
+        (per-token logprobs, ``n`` choices), once on this vLLM: whether each comes back whole.
+        A check of the interface, not a figure."""
+        ask = [{"role": "user", "content": "Name three colours."}]
+        jobs = [
+            {"id": "logprobs", "type": "chat", "messages": ask, "max_tokens": 8, "logprobs": 3},
+            {"id": "n", "type": "chat", "messages": ask, "max_tokens": 8, "n": 3, "logprobs": 0},
+        ]
+        got = {r.id: r for r in self.client.submit_many(jobs).results(timeout=self.a.timeout)}
+        lp, n = got["logprobs"], got["n"]
+        return {
+            "logprobs": {
+                "status": lp.status,
+                "error": lp.error.message if lp.error else None,
+                "completion_tokens": lp.usage.completion_tokens,
+                "tokens_with_logprobs": len(lp.logprobs or []),
+                "top_logprobs_each": sorted({len(t.top_logprobs) for t in lp.logprobs or []}),
+            },
+            "n": {
+                "status": n.status,
+                "error": n.error.message if n.error else None,
+                "choices": len(n.choices or []),
+                "tokens_with_logprobs": [len(c.logprobs or []) for c in n.choices or []],
+            },
+        }
+
     def close(self) -> None:
         stop(self.proc, self.log, 120)
 
@@ -932,6 +959,12 @@ def main() -> None:
             if not profiled:
                 meta["rounds_done"] = rnd
             text, problems = write(out, meta, rows)
+        if vq is not None:
+            try:
+                meta["options_check"] = vq.options_check()
+            except Exception as exc:  # noqa: BLE001  # the figures stand; the check says why
+                meta["options_check"] = {"failed": repr(exc)}
+            print(json.dumps({"options_check": meta["options_check"]}), flush=True)
     finally:
         if vq is not None:
             vq.close()
