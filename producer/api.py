@@ -858,11 +858,13 @@ def create_app(settings: Settings | None = None) -> Any:
 
     @app.get("/v1/models", response_model=ModelList)
     def models(_who: str = Depends(tenant)) -> ModelList:
-        """The models live workers serve, each once, with when its first worker started."""
+        """The models live workers serve, by every name they answer to (``served_names``), each
+        once, with when its first worker started."""
         since: dict[str, int] = {}
         for w in store.batches.workers():
-            if model := w.get("model"):
-                started = int(w.get("started_at") or time.time())
+            started = int(w.get("started_at") or time.time())
+            names = w.get("models") or ([w["model"]] if w.get("model") else [])
+            for model in names:
                 since[model] = min(since.get(model, started), started)
         return ModelList(data=[ModelObject(id=m, created=t) for m, t in sorted(since.items())])
 

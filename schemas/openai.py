@@ -140,13 +140,18 @@ def output_line(result: JobResult) -> dict[str, Any]:
     """The OpenAI batch output line for one result (completed or failed)."""
     line_id = f"batch_req_{result.id}"
     refused = result.error
-    if refused and refused.type == "unsupported_parameter":  # OpenAI's own 400 line
+    status = {"unsupported_parameter": 400, "model_not_found": 404}
+    if refused and refused.type in status:  # the request's own answer, as OpenAI writes it
         error = {"message": refused.message, "type": "invalid_request_error",
-                 "param": refused.param, "code": "unsupported_parameter"}  # fmt: skip
+                 "param": refused.param, "code": refused.type}  # fmt: skip
         return {
             "id": line_id,
             "custom_id": result.id,
-            "response": {"status_code": 400, "request_id": result.id, "body": {"error": error}},
+            "response": {
+                "status_code": status[refused.type],
+                "request_id": result.id,
+                "body": {"error": error},
+            },
             "error": None,
         }
     if result.status == "failed":

@@ -21,6 +21,7 @@ ErrorType = Literal[
     "engine_error",
     "invalid_job",
     "unsupported_parameter",
+    "model_not_found",
     "timeout",
     "dead_letter",
     "internal_error",
@@ -42,6 +43,8 @@ ERROR_TYPES: dict[str, str] = {
     "invalid_job": "the worker could not read the job",
     "unsupported_parameter": "an OpenAI request asked for something vqueue does not do (n > 1, "
     "logprobs, tools, an unknown field); it fails alone, with a 400 line naming the field",
+    "model_not_found": "an OpenAI request line named a model the worker does not serve (its "
+    "VQUEUE_SERVED_MODEL_NAME names); it fails alone, with the 404 line vLLM's server answers",
     "timeout": "the job was still generating after VQUEUE_JOB_TIMEOUT_S and was aborted",
     "dead_letter": "its worker was lost, or Redis failed, every time it ran; parked in the "
     "dead-letter store",
@@ -56,7 +59,7 @@ assert set(ERROR_TYPES) == set(get_args(ErrorType))
 class JobError(BaseModel):
     type: ErrorType
     message: str
-    param: str | None = None  # unsupported_parameter: the request's field, as OpenAI names it
+    param: str | None = None  # the request's field at fault, as OpenAI names it
 
 
 class Usage(BaseModel):

@@ -68,7 +68,9 @@ class Settings(BaseSettings):
 
     # -- the model and the engine (worker side)
     model: str = "smollm2-135m-instruct"  # the embedded default; else any HF id or local path
-    served_model_name: str | None = None  # name reported in results; defaults to model
+    # the names requests may give this model, comma-separated, as vLLM's --served-model-name:
+    # the first is the one results report; unset, the model itself (``served_names``)
+    served_model_name: str | None = None
     max_model_len: int = 4096
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     # KV cache size in bytes; overrides gpu_memory_utilization (on CPU it is what to set)
@@ -309,6 +311,14 @@ class Settings(BaseSettings):
 
     def backend_url(self) -> str:
         return self.result_backend or self.broker_url
+
+    def served_names(self) -> list[str]:
+        """The names a request's ``model`` may give this worker's model, the reported one first.
+        As vLLM's server: the served names when set (the model's own id or path is then not one
+        of them: a file written for another provider's model runs once its name is listed),
+        else the model as configured."""
+        names = [n.strip() for n in (self.served_model_name or "").split(",") if n.strip()]
+        return names or [self.model]
 
     def worker_concurrency(self) -> int:
         """Jobs the worker holds at once, all its intake processes together."""

@@ -47,7 +47,9 @@ class FakeEngine:
         import vllm.sampling_params  # noqa: F401
 
         self.settings = settings
-        self.model_name = "fake"
+        # "fake" unless the test names it (VQUEUE_SERVED_MODEL_NAME), as a real worker's names
+        self.model_names = settings.served_names() if settings.served_model_name else ["fake"]
+        self.model_name = self.model_names[0]
         self.delay = float(os.environ.get("VQUEUE_TEST_FAKE_DELAY_S", "0.2"))
         self.in_flight = self.max_in_flight = self.jobs_done = 0
         self.started_at = time.time()

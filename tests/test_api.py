@@ -64,9 +64,12 @@ def api(module_procs: Procs, worker: WorkerProc, tmp_path_factory: pytest.TempPa
     return Api(url, keys, files)
 
 
+MODEL = "smollm2-135m-instruct"  # the name the session's worker serves (the embedded default)
+
+
 def _chat(cid: str, text: str, **body: Any) -> dict[str, Any]:
     return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "m", "messages": [{"role": "user", "content": text}],
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": text}],
                      "max_tokens": 24, **body}}  # fmt: skip
 
 

@@ -226,7 +226,8 @@ def test_async_client_errors_and_timeouts(client: Client) -> None:
 
 
 def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> None:
-    # Given an OpenAI Batch API input file, one line asking for a JSON schema
+    # Given an OpenAI Batch API input file, one line asking for a JSON schema, one naming a
+    # model no worker of the queue serves
     place = {
         "type": "object",
         "properties": {"city": {"type": "string"}},
@@ -239,7 +240,7 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
             "method": "POST",
             "url": "/v1/chat/completions",
             "body": {
-                "model": "smol",
+                "model": "smollm2-135m-instruct",
                 "max_tokens": 24,
                 "messages": [{"role": "user", "content": "Say hello."}],
             },
@@ -249,7 +250,7 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
             "method": "POST",
             "url": "/v1/chat/completions",
             "body": {
-                "model": "smol",
+                "model": "smollm2-135m-instruct",
                 "max_tokens": 32,
                 "messages": [{"role": "user", "content": "Where is the Eiffel Tower?"}],
                 "response_format": {
@@ -258,6 +259,12 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
                 },
             },
         },
+        {
+            "custom_id": "q3",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi."}]},
+        },
     ]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -265,23 +272,30 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
     # When it is submitted with --wait
     proc = run_cli("submit", str(src), "--wait", "--out", str(out), "--errors", str(err), "-q")
     assert proc.returncode == 0, proc.stderr.decode()
-    # Then the output file is OpenAI batch output, one line per custom_id, nothing in errors
+    # Then the output file is OpenAI batch output, one line per custom_id
     got = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
-    assert set(got) == {"q1", "q2"} and err.read_text() == ""
+    assert set(got) == {"q1", "q2"}
     for line in got.values():
         assert set(line) == {"id", "custom_id", "response", "error"} and line["error"] is None
         assert line["response"]["status_code"] == 200
         body = line["response"]["body"]
-        # the model that answered, not the "smol" the line asked for
         assert body["object"] == "chat.completion" and body["model"] == "smollm2-135m-instruct"
         assert body["choices"][0]["message"]["content"]
         assert body["usage"]["total_tokens"] > 0
     data = json.loads(got["q2"]["response"]["body"]["choices"][0]["message"]["content"])
     jsonschema.validate(data, place)
+    # and the line naming another model failed alone, with the 404 vLLM's server answers
+    (bad,) = map(json.loads, err.read_text().splitlines())
+    assert bad["custom_id"] == "q3" and bad["response"]["status_code"] == 404, bad
+    error = bad["response"]["body"]["error"]
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
+    assert "`gpt-4o` does not exist" in error["message"]
+    assert "`smollm2-135m-instruct`" in error["message"]
     # and the batch id on stdout reads the same results back
     batch = proc.stdout.decode().strip()
     again = run_cli("results", batch)
-    assert {json.loads(x)["custom_id"] for x in again.stdout.decode().splitlines()} == {"q1", "q2"}
+    read = {json.loads(x)["custom_id"] for x in again.stdout.decode().splitlines()}
+    assert read == {"q1", "q2", "q3"}
 
 
 @pytest.mark.parametrize("content", [None, b"", b"not json\n[1]\n"])

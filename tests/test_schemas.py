@@ -321,3 +321,14 @@ def test_a_gpu_worker_takes_jobs_in_through_half_its_cores_two_to_eight() -> Non
     # a CPU host one process, and an explicit count is kept as it is
     assert auto.intake_count(False, 64) == 1
     assert Settings(_env_file=None, intake_processes=3).intake_count(True, 64) == 3
+
+
+def test_a_model_answers_to_its_served_names_or_else_to_itself() -> None:
+    from schemas import Settings
+
+    # Given no served names, a request may name the model as configured
+    assert Settings(_env_file=None, model="org/m").served_names() == ["org/m"]
+    # and given some (comma-separated, as vLLM's --served-model-name), those alone, in order:
+    # the first is the name results report
+    named = Settings(_env_file=None, model="org/m", served_model_name=" m , gpt-4o-mini,")
+    assert named.served_names() == ["m", "gpt-4o-mini"]

@@ -282,7 +282,10 @@ def served(module_procs: Procs, tmp_path_factory: pytest.TempPathFactory) -> Ser
     tmp = tmp_path_factory.mktemp("served")
     server: RedisServer = module_procs.redis(tmp / "redis", aof=False)
     r = redis.Redis.from_url(server.url, decode_responses=True)
-    w = module_procs.fake_worker("api", server.url, delay=0.05, concurrency=8, queue="full")
+    # answers to "fake" and to another provider's name, as a worker set up for a file written
+    # for that provider does
+    w = module_procs.fake_worker("api", server.url, delay=0.05, concurrency=8, queue="full",
+                                 VQUEUE_SERVED_MODEL_NAME="fake,gpt-4o-mini")  # fmt: skip
     w.wait_ready(r)
     keys = {t: _cli("keys", "create", t, url=server.url).stdout.decode().strip() for t in "ab"}
     port = free_port()
@@ -497,36 +500,40 @@ def test_files_expire_when_asked_and_outputs_by_default(served: Served) -> None:
 
 
 def test_models_lists_what_live_workers_serve(served: Served) -> None:
-    # Given a live worker (the fake engine names its model "fake"), Then the SDK lists it, once
+    # Given a live worker serving its model as "fake" and "gpt-4o-mini", Then the SDK lists
+    # both names, each once
     models = served.sdk("b").models.list()
-    assert [m.id for m in models.data] == ["fake"]
+    assert [m.id for m in models.data] == ["fake", "gpt-4o-mini"]
     assert models.data[0].object == "model" and models.data[0].created > 0
 
 
 def test_an_openai_file_with_fields_vqueue_does_not_do_completes(served: Served) -> None:
     # Given a chat batch written as OpenAI's guide writes them: one plain request, one asking
-    # for two choices, one for log probabilities, one for tools
+    # for two choices, one for log probabilities, one for tools, one naming a model the
+    # worker does not serve
     def req(cid: str, **body: Any) -> dict[str, Any]:
         return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
                 "body": {"model": "gpt-4o-mini", "user": "u", "max_completion_tokens": 8,
                          "messages": [{"role": "user", "content": "Hi"}], **body}}  # fmt: skip
 
     lines = [req("plain", n=1, logprobs=False), req("two", n=2),
-             req("lp", logprobs=True, top_logprobs=2), req("tool", tools=[{}])]  # fmt: skip
+             req("lp", logprobs=True, top_logprobs=2), req("tool", tools=[{}]),
+             req("other", model="llama-3-70b")]  # fmt: skip
     sdk, bid = served.batch("a", lines, endpoint="/v1/chat/completions")
-    # Then the batch completes: all answered but tools, which failed alone
+    # Then the batch completes: all answered but tools and the other model, each failed alone
     done = _until(sdk, bid, ("completed", "failed"))
     assert done.status == "completed", done
-    assert (done.request_counts.completed, done.request_counts.failed) == (3, 1), done
-    # with the 400 line OpenAI writes, naming the field
+    assert (done.request_counts.completed, done.request_counts.failed) == (3, 2), done
+    # with the 400 and 404 lines OpenAI writes, naming the field
     errors = {
         x["custom_id"]: x["response"]
         for x in map(json.loads, sdk.files.content(done.error_file_id).text.splitlines())
     }
     assert {k: (v["status_code"], v["body"]["error"]["param"]) for k, v in errors.items()} == {
-        "tool": (400, "tools"),
+        "tool": (400, "tools"), "other": (404, "model"),
     }  # fmt: skip
-    # and the answers, the batch and its usage name the model that answered, not the one asked
+    assert errors["other"]["body"]["error"]["code"] == "model_not_found"
+    # and the answers and the batch name the model by its first name, whichever one was asked
     answers = {
         x["custom_id"]: x["response"]["body"]
         for x in map(json.loads, sdk.files.content(done.output_file_id).text.splitlines())

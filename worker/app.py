@@ -622,7 +622,8 @@ def _heartbeat() -> None:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "queue": settings.queue,
-            "model": e.model_name if e else settings.model,
+            "model": e.model_name if e else settings.served_names()[0],
+            "models": e.model_names if e else settings.served_names(),  # all it answers to
             "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "concurrency": settings.worker_concurrency(),
             "in_flight": e.in_flight if e else 0,

@@ -97,7 +97,8 @@ class EngineHost:
         self.settings = settings
         check_engine_settings(settings, has_cuda(), gpu_count())
         self.model_path = resolve_model(settings.model)
-        self.model_name = settings.served_model_name or settings.model
+        self.model_names = settings.served_names()
+        self.model_name = self.model_names[0]
         self._lock = threading.Lock()
         self._groups: OrderedDict[str, threading.Event] = OrderedDict()
         # the requests of each batch in the engine, to abort when the batch is withdrawn

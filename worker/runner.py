@@ -79,13 +79,20 @@ def run_job(
         worker=worker,
         metadata=job.metadata,
         format=env.format,
-        model=engine.model_name,  # the model that answers, whatever the line asked for
+        model=engine.model_name,  # its reported name, whichever of its names the line gave
         prefix_key=env.prefix_key,
     )
+    refused = None
     if isinstance(job, ChatJob) and job.unsupported is not None:
-        result.status = "failed"
         u = job.unsupported
-        result.error = JobError(type="unsupported_parameter", message=u.message, param=u.param)
+        refused = JobError(type="unsupported_parameter", message=u.message, param=u.param)
+    elif env.model is not None and env.model not in engine.model_names:
+        names = ", ".join(f"`{n}`" for n in engine.model_names)
+        refused = JobError(type="model_not_found", param="model", message=(
+            f"The model `{env.model}` does not exist. This queue's workers serve {names} "
+            "(VQUEUE_SERVED_MODEL_NAME)."))  # fmt: skip
+    if refused is not None:  # the request fails alone, before the engine sees it
+        result.status, result.error = "failed", refused
         result.timings.finished_at = time.time()
         return result
     try:

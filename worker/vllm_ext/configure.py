@@ -97,7 +97,7 @@ def engine_kwargs(s: Settings, model_path: str) -> dict[str, Any]:
     cuda = has_cuda()
     kwargs: dict[str, Any] = dict(
         model=model_path,
-        served_model_name=s.served_model_name or s.model,
+        served_model_name=s.served_names()[0],
         max_model_len=s.max_model_len,
         max_num_seqs=s.max_num_seqs or device_max_num_seqs(),
         dtype=s.dtype if s.dtype != "auto" or cuda else CPU_DEFAULT_DTYPE,
