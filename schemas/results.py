@@ -41,8 +41,9 @@ ERROR_TYPES: dict[str, str] = {
     "invalid_json": "the output is not JSON",
     "engine_error": "the engine rejected or failed the request",
     "invalid_job": "the worker could not read the job",
-    "unsupported_parameter": "an OpenAI request asked for something vqueue does not do (n > 1, "
-    "logprobs, tools, an unknown field); it fails alone, with a 400 line naming the field",
+    "unsupported_parameter": "an OpenAI request asked for something vqueue does not do "
+    "(tools, stream, audio, a field OpenAI does not know); it fails alone, with a 400 line "
+    "naming the field",
     "model_not_found": "an OpenAI request line named a model the worker does not serve (its "
     "VQUEUE_SERVED_MODEL_NAME names); it fails alone, with the 404 line vLLM's server answers",
     "timeout": "the job was still generating after VQUEUE_JOB_TIMEOUT_S and was aborted",
