@@ -22,6 +22,10 @@ IGNORED_FIELDS = frozenset({
 })  # fmt: skip
 
 
+# Requests refused before they run, and the HTTP status their output line carries
+REFUSED_STATUS = {"unsupported_parameter": 400, "model_not_found": 404}
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -140,7 +144,7 @@ def output_line(result: JobResult) -> dict[str, Any]:
     """The OpenAI batch output line for one result (completed or failed)."""
     line_id = f"batch_req_{result.id}"
     refused = result.error
-    status = {"unsupported_parameter": 400, "model_not_found": 404}
+    status = REFUSED_STATUS
     if refused and refused.type in status:  # the request's own answer, as OpenAI writes it
         error = {"message": refused.message, "type": "invalid_request_error",
                  "param": refused.param, "code": refused.type}  # fmt: skip
