@@ -27,16 +27,14 @@ class StubEngine:
         self.started_at = time.time()
         self._lock = threading.Lock()
 
-    def chat_prompt(
-        self, messages: list[dict[str, str]], known: Any = None, priority: int = 0
-    ) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, str]], known: Any = None) -> list[int]:
         # about four characters a token, like a real tokenizer on English
         return [0] * max(1, sum(len(m["content"]) for m in messages) // 4)
 
-    def encode(self, text: str, priority: int = 0) -> list[int]:
+    def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]  # a character a token
 
-    def decode(self, ids: list[int], priority: int = 0) -> str:
+    def decode(self, ids: list[int]) -> str:
         return "".join(map(chr, ids))
 
     def generate(

@@ -56,9 +56,7 @@ class FakeEngine:
         self.stats = EngineStats()
         self._lock = threading.Lock()
 
-    def chat_prompt(
-        self, messages: list[dict[str, str]], known: Any = None, priority: int = 0
-    ) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, str]], known: Any = None) -> list[int]:
         if any(POISON in m["content"] for m in messages):
             os.kill(os.getpid(), signal.SIGKILL)
         if any(BUG in m["content"] for m in messages):
@@ -66,10 +64,10 @@ class FakeEngine:
         # about four characters a token, like a real tokenizer on English
         return [0] * max(1, sum(len(m["content"]) for m in messages) // 4)
 
-    def encode(self, text: str, priority: int = 0) -> list[int]:
+    def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]  # a character a token
 
-    def decode(self, ids: list[int], priority: int = 0) -> str:
+    def decode(self, ids: list[int]) -> str:
         return "".join(map(chr, ids))
 
     def generate(

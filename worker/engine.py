@@ -135,20 +135,18 @@ class EngineHost:
         self,
         messages: list[dict[str, str]],
         known: tuple[str, list[int]] | None = None,
-        priority: int = 0,
     ) -> list[int]:
-        """Token ids of ``messages`` in the model's chat template; see ``prompts.render``.
-        ``priority``: the job's; higher goes first when jobs wait for the tokenizer."""
+        """Token ids of ``messages`` in the model's chat template; see ``prompts.render``."""
         try:
-            return self.prompts.chat_prompt(messages, known, priority)
+            return self.prompts.chat_prompt(messages, known)
         except Exception as exc:  # noqa: BLE001  # the model's template refused this chat
             raise EngineError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
 
-    def encode(self, text: str, priority: int = 0) -> list[int]:
-        return self.prompts.encode(text, priority)
+    def encode(self, text: str) -> list[int]:
+        return self.prompts.encode(text)
 
-    def decode(self, ids: list[int], priority: int = 0) -> str:
-        return self.prompts.decode(ids, priority)
+    def decode(self, ids: list[int]) -> str:
+        return self.prompts.decode(ids)
 
     def generate(
         self,
@@ -192,9 +190,7 @@ class EngineHost:
         order = 9 - priority if self.settings.scheduling_policy == "priority" else 0
         sent_at = time.time()
         try:
-            future = self.frontend.submit(
-                prompt_ids, params, order, priority, first_of_group, rule, salt
-            )
+            future = self.frontend.submit(prompt_ids, params, order, first_of_group, rule, salt)
         except BaseException:
             if first_of_group is not None:
                 first_of_group.set()  # never leave the group waiting

@@ -13,7 +13,7 @@ timings the other.
 
 The wire is one duplex ``multiprocessing`` pipe of pickled tuples:
 
-- worker to frontend: ``("gen", rid, prompt_ids, params, order, priority, lead, rule, salt)``,
+- worker to frontend: ``("gen", rid, prompt_ids, params, order, lead, rule, salt)``,
   ``("abort", rid)``, ``("metrics", rid)``, ``("close",)``;
 - frontend to worker: first ``("ready", plan, tokenizer)`` or ``("failed", kind, text)``, then
   lists of ``("first", rid)`` (a leading request's first token), ``("done", rid, Output)``,
@@ -32,9 +32,9 @@ first process's to report.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
-import heapq
 import itertools
 import logging
 import multiprocessing
@@ -60,7 +60,7 @@ from .vllm_ext.plugin import watch_owner
 log = logging.getLogger(__name__)
 
 # Requests the frontend starts on vLLM's loop per tick: enough to keep the engine fed, few
-# enough that an urgent job never waits behind more than these.
+# enough that one tick never holds up the loop's turn of engine outputs into results.
 ADMIT_PER_TICK = 32
 # how often the frontend sends the scheduler's numbers (the worker's gauges and heartbeat)
 STATS_EVERY_S = 1.0
@@ -157,18 +157,16 @@ class FrontendLink:
         prompt_ids: list[int],
         params: Any,
         order: int,
-        priority: int,
         lead: threading.Event | None = None,
         rule: LogprobRule | None = None,
         salt: str | None = None,
     ) -> concurrent.futures.Future[Output]:
-        """Start one request. ``order``: vLLM's priority (lower first); ``priority``: the
-        job's (higher first), which orders requests waiting to start on vLLM's loop; ``lead``:
-        set at the request's first token (or its end). Cancelling the future aborts it."""
+        """Start one request. ``order``: vLLM's priority (lower first); ``lead``: set at the
+        request's first token (or its end). Cancelling the future aborts it."""
         rid = uuid.uuid4().hex  # vLLM's request id too: fresh per call, a retry never collides
         future: concurrent.futures.Future[Output] = concurrent.futures.Future()
         data = pickle.dumps(
-            ("gen", rid, prompt_ids, params, order, priority, lead is not None, rule, salt),
+            ("gen", rid, prompt_ids, params, order, lead is not None, rule, salt),
             protocol=pickle.HIGHEST_PROTOCOL,
         )
         with self._lock:
@@ -451,10 +449,9 @@ class Frontend:
         self._thread.start()
         self.stats = EngineStats()
         self._lock = threading.Lock()
-        self._admissions: list[tuple[int, int, str, tuple[Any, ...]]] = []
+        self._admissions: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()
         self._waiting: set[str] = set()  # in ``_admissions`` and not aborted
         self._owner: dict[str, _Link] = {}  # each request's connection, until its answer
-        self._arrivals = itertools.count()
         self._admitting = False
         self._tasks: dict[str, asyncio.Task[Output]] = {}
         self.engine, self.plan = self._call(self._build(model_path))
@@ -577,15 +574,12 @@ class Frontend:
             link.out.put(msg)
 
     def _enqueue(self, link: _Link, rid: str, args: tuple[Any, ...]) -> None:
-        """Start requests on the loop by priority (higher first), then in arrival order,
-        ``ADMIT_PER_TICK`` at a time: on a busy GPU the loop falls behind, and a plain
-        ``call_soon_threadsafe`` would join the end of its callback queue, where a priority-9
-        job would wait behind every bulk request queued before it while vLLM's scheduler, which
-        orders by priority, has not yet seen it."""
-        priority = args[3]
+        """Start requests on the loop in arrival order, ``ADMIT_PER_TICK`` at a time, so one
+        tick's callbacks stay short while the loop also turns engine steps into results. Order
+        by priority is vLLM's scheduler's (``order``), and the order jobs leave Redis."""
         with self._lock:
             self._owner[rid] = link
-            heapq.heappush(self._admissions, (-priority, next(self._arrivals), rid, args))
+            self._admissions.append((rid, args))
             self._waiting.add(rid)
             if self._admitting:
                 return
@@ -595,11 +589,11 @@ class Frontend:
     def _admit(self) -> None:
         with self._lock:
             n = min(ADMIT_PER_TICK, len(self._admissions))
-            batch = [heapq.heappop(self._admissions) for _ in range(n)]
+            batch = [self._admissions.popleft() for _ in range(n)]
             self._admitting = bool(self._admissions)
-            batch = [b for b in batch if b[2] in self._waiting]
-            self._waiting.difference_update(b[2] for b in batch)
-        for _, _, rid, (ids, params, order, _priority, lead, rule, salt) in batch:
+            batch = [b for b in batch if b[0] in self._waiting]
+            self._waiting.difference_update(b[0] for b in batch)
+        for rid, (ids, params, order, lead, rule, salt) in batch:
             prompt = {"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
             task = self.loop.create_task(self._generate(rid, prompt, params, order, lead, rule))
             self._tasks[rid] = task

@@ -7,13 +7,10 @@ token is prefilled for every job, so a verbose one delays every job's first toke
 
 from __future__ import annotations
 
-import contextlib
-import heapq
-import itertools
 import json
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from schemas import ChatJob, CodegenJob, ExtractJob, Settings, SummarizeJob
@@ -365,67 +362,29 @@ def tokenizer_threads(setting: int) -> int:
     return max(2, min(8, usable_cores() // 4))
 
 
-class PriorityGate:
-    """A semaphore whose waiters go in by priority (higher first), then in arrival order.
-
-    A worker holds twice ``max_num_seqs`` jobs, and on a busy GPU most of them wait here for a
-    turn at the tokenizer. Python's semaphore wakes waiters first come, first served: an
-    interactive job fetched behind a bulk batch would wait for every bulk job ahead of it, and
-    vLLM's priority scheduling would not see it until they had all gone in. A freed slot is
-    handed straight to the waiter it wakes."""
-
-    def __init__(self, slots: int) -> None:
-        self._free = slots
-        self._lock = threading.Lock()
-        self._waiting: list[tuple[int, int, threading.Lock]] = []  # a heap
-        self._arrivals = itertools.count()
-
-    @contextlib.contextmanager
-    def __call__(self, priority: int = 0) -> Iterator[None]:
-        with self._lock:
-            if self._free > 0 and not self._waiting:
-                self._free -= 1
-                woken = None
-            else:
-                woken = threading.Lock()
-                woken.acquire()
-                heapq.heappush(self._waiting, (-priority, next(self._arrivals), woken))
-        if woken is not None:
-            woken.acquire()  # released by the holder that hands its slot over
-        try:
-            yield
-        finally:
-            with self._lock:
-                if self._waiting:
-                    heapq.heappop(self._waiting)[2].release()
-                else:
-                    self._free += 1
-
-
 class PromptTokenizer:
     """The model's tokenizer as jobs use it: chat prompts (``render``), and documents encoded
     and decoded to cut them to a token limit. The engine host holds one; tests use the same
-    with the real tokenizer. At most ``threads`` calls tokenize at once (``tokenizer_threads``),
-    the job of highest ``priority`` first.
+    with the real tokenizer. At most ``threads`` calls tokenize at once (``tokenizer_threads``).
     """
 
     def __init__(self, tokenizer: Any, nonce: str = "0", threads: int = 0) -> None:
         self.tokenizer, self.nonce = tokenizer, nonce
         self.encoder = Encoder.of(tokenizer)
-        self._gate = PriorityGate(tokenizer_threads(threads))
+        self._gate = threading.BoundedSemaphore(tokenizer_threads(threads))
 
     def chat_prompt(
-        self, messages: Messages, known: tuple[str, list[int]] | None = None, priority: int = 0
+        self, messages: Messages, known: tuple[str, list[int]] | None = None
     ) -> list[int]:
-        with self._gate(priority):
+        with self._gate:
             return render(self.encoder, messages, self.nonce, known)
 
-    def encode(self, text: str, priority: int = 0) -> list[int]:
-        with self._gate(priority):
+    def encode(self, text: str) -> list[int]:
+        with self._gate:
             return self.encoder.literal(text)
 
-    def decode(self, ids: list[int], priority: int = 0) -> str:
-        with self._gate(priority):
+    def decode(self, ids: list[int]) -> str:
+        with self._gate:
             return str(self.tokenizer.decode(ids))
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:

@@ -113,7 +113,7 @@ def run_job(
         job, result.input_tokens_truncated, known = fit_input(job, engine, settings, want)
         messages = build_messages(job, settings, examples)
         # a long document was encoded to measure it: its ids go into the prompt as they are
-        prompt = engine.chat_prompt(messages, known, priority=job.priority)
+        prompt = engine.chat_prompt(messages, known)
         if isinstance(job, ChatJob):  # a conversation fits its limit or is refused, never cut
             limit = job.max_input_tokens or settings.max_input_tokens(job.type)
             if len(prompt) > limit:
@@ -489,10 +489,9 @@ def fit_input(
     if len(doc.encode()) <= min(limit, fits_context):  # a token is at least a byte
         return job, 0, None
     empty = job.model_copy(update={field: ""})
-    p = job.priority
-    overhead = len(engine.chat_prompt(build_messages(empty, settings), priority=p))
+    overhead = len(engine.chat_prompt(build_messages(empty, settings)))
     room = fits_context - overhead
-    ids = engine.encode(doc, p)
+    ids = engine.encode(doc)
     if len(ids) <= min(limit, room):
         return job, 0, (doc, ids)
     policy = job.truncation or settings.truncation(job.type)
@@ -508,18 +507,18 @@ def fit_input(
             f"the {field} is {len(ids)} tokens; {max(room, 0)} fit the model's context of "
             f"{settings.max_model_len} with {want} left to answer",
         )
-    mark = engine.encode(_MARK, p)
+    mark = engine.encode(_MARK)
     keep = max(min(limit, room) - len(mark), 1)
     if policy == "head":
         kept = ids[:keep]
-        text = engine.decode(kept, p)
+        text = engine.decode(kept)
     elif policy == "tail":
         kept = ids[-keep:]
-        text = engine.decode(kept, p)
+        text = engine.decode(kept)
     else:
         head, tail = ids[: keep // 2], ids[len(ids) - (keep - keep // 2) :]
         kept = head + mark + tail
-        text = engine.decode(head, p) + _MARK + engine.decode(tail, p)
+        text = engine.decode(head) + _MARK + engine.decode(tail)
     return job.model_copy(update={field: text}), len(ids) - keep, (text, kept)
 
 
