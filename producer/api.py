@@ -35,6 +35,7 @@ from pydantic import ValidationError
 from protocol.store import BatchStore, refused_for_memory
 from schemas import BatchStatus, Envelope, JobResult, Settings, get_settings, output_line
 from schemas.api import (
+    ENDPOINT_FORMAT,
     FINAL_STATES,
     BatchCreate,
     BatchError,
@@ -59,6 +60,12 @@ log = logging.getLogger(__name__)
 
 # at most this many line errors are kept on a failed batch (OpenAI's object is a short list)
 MAX_BATCH_ERRORS = 100
+# how an input line of each form is named when it is in a batch for another endpoint
+LINE_KIND = {
+    "vqueue": "vqueue job",
+    "openai": "/v1/chat/completions",
+    "openai_completions": "/v1/completions",
+}
 # a request body other than an upload: a batch's create call is a few hundred bytes
 MAX_REQUEST_BYTES = 1 << 20
 
@@ -514,7 +521,7 @@ class Batches:
 
         bid, s = b.id, self.settings
         client = Client(s, tenant=tenant, on_limit="wait")
-        want = "openai" if b.endpoint == "/v1/chat/completions" else "vqueue"
+        want = ENDPOINT_FORMAT[b.endpoint]
         if b.status == "in_progress":  # a feed resumed: its input was checked and counted
             self._send(client, b, fh, gone, self.store.batches.fed_position(bid))
             return
@@ -528,9 +535,8 @@ class Batches:
             if message is None and (p.job.max_tokens or 0) > budget:
                 message = f"max_tokens {p.job.max_tokens} is over this tenant's {budget}"
             if message is None and p.format != want:
-                message = f"a {p.format} line in a batch for {b.endpoint}: " + (
-                    "lines are vqueue jobs" if want == "vqueue" else "lines are OpenAI requests"
-                )
+                message = (f"a {LINE_KIND[p.format]} line in a batch for {b.endpoint}: its "
+                           f"lines are {LINE_KIND[want]} lines")  # fmt: skip
             name = getattr(p.job, "template", None)
             if message is None and name is not None and not client.template_known(name):
                 message = f"unknown template {name!r}"

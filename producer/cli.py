@@ -316,7 +316,7 @@ def _write_result(res: JobResult, out: IO[str] | None, errors: IO[str] | None) -
     target = errors if (failed and errors) else out
     if target is None:
         return
-    line = output_line(res) if res.format == "openai" else res.model_dump(mode="json")
+    line = res.model_dump(mode="json") if res.format == "vqueue" else output_line(res)
     target.write(json.dumps(line, ensure_ascii=False) + "\n")
 
 
@@ -816,21 +816,23 @@ def keys_revoke(obj: Ctx, tenant: str) -> None:
 @cli.command()
 @click.option(
     "--kind",
-    type=click.Choice(["job", "result", "openai"]),
+    type=click.Choice(["job", "result", "openai", "openai-completions"]),
     default="job",
     show_default=True,
     help="Which model's JSON Schema.",
 )
 def schema(kind: str) -> None:
     """Print the JSON Schema of an input line (or of a result), for non-Python producers."""
-    from schemas import BatchRequestInput
+    from schemas import BatchRequestInput, CompletionRequestInput
 
     if kind == "job":
         out = job_json_schema()
     elif kind == "result":
         out = JobResult.model_json_schema()
-    else:
+    elif kind == "openai":
         out = BatchRequestInput.model_json_schema()
+    else:
+        out = CompletionRequestInput.model_json_schema()
     click.echo(json.dumps(out, indent=2))
 
 

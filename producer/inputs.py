@@ -2,8 +2,8 @@
 
 A bad line never stops the file: it is reported with its line number and the rest go on.
 Lines are vqueue jobs (``{"type": "summarize", ...}``) or OpenAI Batch API requests
-(``{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}``);
-a file may mix both.
+(``{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}``, or
+``/v1/completions`` with a ``prompt``); a file may mix them.
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO
 
 from pydantic import TypeAdapter, ValidationError
 
-from schemas import JOB_TYPES, BatchRequestInput, Job
+from schemas import JOB_TYPES, Job, request_line
+from schemas.jobs import Format
 
 # A line larger than this is refused unread: it cannot be a sane job (texts are capped at 1M chars).
 MAX_LINE_BYTES = 8 * 1024 * 1024
@@ -27,7 +28,7 @@ _job_adapter: TypeAdapter[Any] = TypeAdapter(Job)
 class Parsed:
     line: int
     job: Any = None  # a Job model when the line is good
-    format: Literal["vqueue", "openai"] = "vqueue"
+    format: Format = "vqueue"
     model: str | None = None  # OpenAI lines: body.model, echoed back
     error: str | None = None
     custom_id: str | None = None  # the line's id, when one could be read, for the errors file
@@ -99,9 +100,9 @@ def _parse_line(
     ident = ident if isinstance(ident, str) else None
     try:
         if "custom_id" in obj:
-            req = BatchRequestInput.model_validate(obj)
+            req = request_line(obj)
             job = req.to_job(priority=default_priority or 0)
-            return Parsed(n, job=job, format="openai", model=req.body.model, custom_id=ident)
+            return Parsed(n, job=job, format=req.format, model=req.body.model, custom_id=ident)
         if default_priority is not None and "priority" not in obj:
             obj["priority"] = default_priority
         if default_system is not None and "system" not in obj:

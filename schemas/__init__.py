@@ -13,7 +13,13 @@ from .jobs import (
     SummarizeJob,
     new_job_id,
 )
-from .openai import BatchRequestInput, output_line, rejected_line
+from .openai import (
+    BatchRequestInput,
+    CompletionRequestInput,
+    output_line,
+    rejected_line,
+    request_line,
+)
 from .results import ERROR_TYPES, Attempt, BatchStatus, Choice, JobError, JobResult, Timings, Usage
 from .settings import EarlyStop, Settings, get_settings
 
@@ -22,6 +28,7 @@ __all__ = [
     "JOB_TYPES",
     "Attempt",
     "BatchRequestInput",
+    "CompletionRequestInput",
     "BatchStatus",
     "ChatJob",
     "ChatMessage",
@@ -43,6 +50,7 @@ __all__ = [
     "job_json_schema",
     "new_job_id",
     "output_line",
+    "request_line",
     "rejected_line",
 ]
 

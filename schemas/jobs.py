@@ -277,10 +277,12 @@ class Unsupported(BaseModel):
 class ChatJob(_JobBase):
     """Raw chat messages, the path OpenAI Batch API lines take; ``json_schema`` when the line
     asked for ``response_format: json_schema``, ``json_object`` for ``response_format:
-    json_object``."""
+    json_object``. Or, for a ``/v1/completions`` line, a bare ``prompt``: its text tokenized as
+    vLLM's completions endpoint does (special tokens read as such), no chat template."""
 
     type: Literal["chat"]
-    messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+    messages: list[ChatMessage] = Field(default_factory=list, max_length=256)
+    prompt: str | None = Field(default=None, min_length=1, max_length=MAX_TEXT_CHARS)
     json_schema: dict[str, Any] | None = None
     json_object: bool = False
     # answers to the same messages, each its own request in the engine (``seed`` + k for the
@@ -296,6 +298,21 @@ class ChatJob(_JobBase):
 
     _schema_ok = field_validator("json_schema")(_schema_ok)
 
+    @model_validator(mode="after")
+    def _messages_or_prompt(self) -> ChatJob:
+        if (self.prompt is None) == (not self.messages):
+            raise ValueError("a chat job takes either messages (at least one) or a prompt")
+        if self.prompt is not None and self.system is not None:
+            raise ValueError("system applies to messages; a prompt is taken as it stands")
+        return self
+
+
+# The characters of a bare prompt that its prefix key covers: prompts that open with the same
+# preamble (instructions, few-shot examples) go to one engine and share its cached blocks
+PROMPT_PREFIX_CHARS = 256
+
+
+Format = Literal["vqueue", "openai", "openai_completions"]
 
 Job = Annotated[SummarizeJob | ExtractJob | CodegenJob | ChatJob, Field(discriminator="type")]
 JobType = Literal["summarize", "extract", "codegen", "chat"]
@@ -317,6 +334,8 @@ def prefix_key(job: SummarizeJob | ExtractJob | CodegenJob | ChatJob) -> str:
         parts = [job.type, job.system, job.template, job.instruction, schema]
     elif isinstance(job, CodegenJob):
         parts = [job.type, job.system, job.language, job.context]
+    elif job.prompt is not None:
+        parts = [job.type, "prompt", job.prompt[:PROMPT_PREFIX_CHARS]]
     else:  # everything before the last message
         parts = [job.type, job.system, [(m.role, m.content) for m in job.messages[:-1]]]
     raw = json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
@@ -334,8 +353,9 @@ class Envelope(BaseModel):
 
     job: Job
     batch: str = Field(pattern=BATCH_PATTERN)
-    # "openai" when the line came in OpenAI Batch API form: results go back out in that form
-    format: Literal["vqueue", "openai"] = "vqueue"
+    # the form the line came in, and its result goes back out in: vqueue's own, an OpenAI Batch
+    # API ``/v1/chat/completions`` line ("openai") or a ``/v1/completions`` line
+    format: Format = "vqueue"
     # the OpenAI request's "model" field, as asked; the result names the model that answered
     model: str | None = None
     enqueued_at: float

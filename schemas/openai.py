@@ -1,17 +1,18 @@
 """OpenAI Batch API lines, so existing batch tooling works unchanged.
 
-Input: one ``/v1/chat/completions`` request per line. Output: one line per request in OpenAI's
-batch output shape; failures go to the errors file with ``response: null`` and an ``error``.
+Input: one ``/v1/chat/completions`` or ``/v1/completions`` request per line. Output: one line
+per request in OpenAI's batch output shape (``chat.completion`` or ``text_completion``);
+failures go to the errors file with ``response: null`` and an ``error``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .jobs import MAX_OUTPUT_TOKENS, ChatJob, ChatMessage, Unsupported
+from .jobs import MAX_OUTPUT_TOKENS, MAX_TEXT_CHARS, ChatJob, ChatMessage, Format, Unsupported
 from .results import Choice, JobResult, TokenLogprob
 
 # Body fields that change nothing for a batch run by vqueue, taken and ignored as OpenAI's batch
@@ -96,15 +97,112 @@ class ChatCompletionBody(BaseModel):
         return None
 
 
-class BatchRequestInput(BaseModel):
-    """One input line; ``custom_id`` becomes the job id."""
+# OpenAI's legacy completions default, which vLLM's endpoint keeps: a line without max_tokens
+# gets 16 tokens, as it would there
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+COMPLETIONS_MAX_LOGPROBS = 5  # OpenAI's bound on a completion's logprobs
 
+
+class CompletionBody(BaseModel):
+    """A ``/v1/completions`` body: a bare prompt, no chat template. Typed and ignored fields as
+    ``ChatCompletionBody``; one prompt per request (a string, or a list holding one)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | list[str] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_OUTPUT_TOKENS)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    n: int | None = Field(default=None, ge=1, le=128)
+    best_of: int | None = Field(default=None, ge=1, le=128)
+    logprobs: int | None = Field(default=None, ge=0, le=COMPLETIONS_MAX_LOGPROBS)
+    echo: bool | None = None
+    suffix: str | None = None
+    stream: bool | None = None
+    metadata: dict[str, Any] | None = None
+
+    def text(self) -> str | None:
+        """The one prompt, or None when the body holds several (each would be its own answer)."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return self.prompt[0] if len(self.prompt) == 1 else None
+
+    def unsupported(self) -> Unsupported | None:
+        n = self.n or 1
+        asks = [
+            ("prompt", self.text() is None, "takes one prompt per request (split the list)"),
+            (
+                "prompt",
+                len(self.text() or "") > MAX_TEXT_CHARS,
+                f"takes prompts of at most {MAX_TEXT_CHARS:,} characters",
+            ),  # fmt: skip
+            ("best_of", (self.best_of or n) != n, "returns every answer it generates (n)"),
+            ("echo", bool(self.echo), "does not echo the prompt"),
+            ("suffix", self.suffix is not None, "does not insert text (suffix)"),
+            ("stream", bool(self.stream), "a batch request is not streamed"),
+        ]
+        for param, asked, why in asks:
+            if asked:
+                return Unsupported(param=param, message=f"{param}: vqueue {why}")
+        unknown = sorted(set(self.model_extra or {}) - IGNORED_FIELDS)
+        if unknown:
+            return Unsupported(param=unknown[0], message=f"Unrecognized request argument "
+                               f"supplied: {unknown[0]}")  # fmt: skip
+        return None
+
+
+class _RequestLine(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     custom_id: str = Field(min_length=1, max_length=256)
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions"]
+    url: Literal["/v1/chat/completions", "/v1/completions"]
+
+
+class CompletionRequestInput(_RequestLine):
+    """One ``/v1/completions`` input line; ``custom_id`` becomes the job id."""
+
+    body: CompletionBody
+    format: ClassVar[Format] = "openai_completions"
+
+    def to_job(self, priority: int = 0) -> ChatJob:
+        b = self.body
+        stop = [b.stop] if isinstance(b.stop, str) else (b.stop or [])
+        refused = b.unsupported()
+        fields: dict[str, Any] = dict(
+            id=self.custom_id,
+            type="chat",
+            priority=priority,
+            prompt=(b.text() or "?") if refused is None else "?",  # a refused line never runs
+            max_tokens=b.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
+            stop=stop,
+            seed=b.seed,
+            metadata=b.metadata or {},
+            unsupported=refused,
+        )
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+            if getattr(b, name) is not None:
+                fields[name] = getattr(b, name)
+        if b.logit_bias:
+            fields["logit_bias"] = b.logit_bias
+        if b.n is not None:
+            fields["n"] = b.n
+        if b.logprobs is not None:
+            fields["logprobs"] = b.logprobs
+        return ChatJob.model_validate(fields)
+
+
+class BatchRequestInput(_RequestLine):
+    """One ``/v1/chat/completions`` input line; ``custom_id`` becomes the job id."""
+
     body: ChatCompletionBody
+    format: ClassVar[Format] = "openai"
 
     def to_job(self, priority: int = 0) -> ChatJob:
         b = self.body
@@ -140,6 +238,14 @@ class BatchRequestInput(BaseModel):
         return ChatJob.model_validate(fields)
 
 
+def request_line(obj: dict[str, Any]) -> BatchRequestInput | CompletionRequestInput:
+    """An OpenAI batch input line as the request its ``url`` names (a chat request when it names
+    neither, whose error then lists both)."""
+    if obj.get("url") == "/v1/completions":
+        return CompletionRequestInput.model_validate(obj)
+    return BatchRequestInput.model_validate(obj)
+
+
 def output_line(result: JobResult) -> dict[str, Any]:
     """The OpenAI batch output line for one result (completed or failed)."""
     line_id = f"batch_req_{result.id}"
@@ -167,6 +273,38 @@ def output_line(result: JobResult) -> dict[str, Any]:
             "error": {"code": err.type if err else "error", "message": err.message if err else ""},
         }
     created = int(result.timings.finished_at or time.time())
+    choices = result.choices or [
+        Choice(index=0, text=result.text, finish_reason=result.finish_reason,
+               logprobs=result.logprobs)
+    ]  # fmt: skip
+    usage = {
+        "prompt_tokens": result.usage.prompt_tokens,
+        "completion_tokens": result.usage.completion_tokens,
+        "total_tokens": result.usage.prompt_tokens + result.usage.completion_tokens,
+    }
+    if result.format == "openai_completions":
+        body: dict[str, Any] = {
+            "id": f"cmpl-{result.id}",
+            "object": "text_completion",
+            "created": created,
+            "model": result.model,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": _legacy_logprobs(c.logprobs),
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],  # fmt: skip
+            "usage": usage,
+        }
+        return {
+            "id": line_id,
+            "custom_id": result.id,
+            "response": {"status_code": 200, "request_id": result.id, "body": body},
+            "error": None,
+        }
     body = {
         "id": f"chatcmpl-{result.id}",
         "object": "chat.completion",
@@ -179,21 +317,9 @@ def output_line(result: JobResult) -> dict[str, Any]:
                 "logprobs": _logprobs(c.logprobs),
                 "finish_reason": c.finish_reason,
             }
-            for c in result.choices
-            or [
-                Choice(
-                    index=0,
-                    text=result.text,
-                    finish_reason=result.finish_reason,
-                    logprobs=result.logprobs,
-                )
-            ]
-        ],  # fmt: skip
-        "usage": {
-            "prompt_tokens": result.usage.prompt_tokens,
-            "completion_tokens": result.usage.completion_tokens,
-            "total_tokens": result.usage.prompt_tokens + result.usage.completion_tokens,
-        },
+            for c in choices
+        ],
+        "usage": usage,
     }
     return {
         "id": line_id,
@@ -208,6 +334,24 @@ def _logprobs(tokens: list[TokenLogprob] | None) -> dict[str, Any] | None:
     if tokens is None:
         return None
     return {"content": [t.model_dump() for t in tokens], "refusal": None}
+
+
+def _legacy_logprobs(tokens: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """A completion choice's ``logprobs`` in the legacy form OpenAI's and vLLM's completions
+    write: parallel lists of tokens, their logprobs, the likeliest alternatives at each place
+    and each token's character offset in the answer."""
+    if tokens is None:
+        return None
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t.token)
+    return {
+        "tokens": [t.token for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{a.token: a.logprob for a in t.top_logprobs} for t in tokens],
+        "text_offset": offsets,
+    }
 
 
 def rejected_line(custom_id: str | None, line_no: int, message: str) -> dict[str, Any]:

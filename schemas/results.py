@@ -6,6 +6,8 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field
 
+from .jobs import Format
+
 # Error types a result may carry. Each names one cause, so callers can branch on it; the table in
 # README.md lists the same names (tests/test_schemas.py holds them to it).
 ErrorType = Literal[
@@ -42,8 +44,8 @@ ERROR_TYPES: dict[str, str] = {
     "engine_error": "the engine rejected or failed the request",
     "invalid_job": "the worker could not read the job",
     "unsupported_parameter": "an OpenAI request asked for something vqueue does not do "
-    "(tools, stream, audio, a field OpenAI does not know); it fails alone, with a 400 line "
-    "naming the field",
+    "(tools, stream, audio, a completion's echo or suffix, a field OpenAI does not know); it "
+    "fails alone, with a 400 line naming the field",
     "model_not_found": "an OpenAI request line named a model the worker does not serve (its "
     "VQUEUE_SERVED_MODEL_NAME names); it fails alone, with the 404 line vLLM's server answers",
     "timeout": "the job was still generating after VQUEUE_JOB_TIMEOUT_S and was aborted",
@@ -151,7 +153,7 @@ class JobResult(BaseModel):
     worker: str | None = None
     error: JobError | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
-    format: Literal["vqueue", "openai"] = "vqueue"
+    format: Format = "vqueue"
     model: str | None = None  # the model that served the job
     prefix_key: str | None = None  # the job's shared-prefix group (schemas.jobs.prefix_key)
     input_chars_cleaned: int = 0  # invisible/control characters and styling removed

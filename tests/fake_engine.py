@@ -64,6 +64,9 @@ class FakeEngine:
         # about four characters a token, like a real tokenizer on English
         return [0] * max(1, sum(len(m["content"]) for m in messages) // 4)
 
+    def completion_prompt(self, text: str) -> list[int]:
+        return [0] * max(1, len(text) // 4)
+
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]  # a character a token
 

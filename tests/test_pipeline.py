@@ -225,9 +225,12 @@ def test_async_client_errors_and_timeouts(client: Client) -> None:
     asyncio.run(go())
 
 
+COMPLETION_PROMPT = "The three primary colors are red,"
+
+
 def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> None:
     # Given an OpenAI Batch API input file, one line asking for a JSON schema, one naming a
-    # model no worker of the queue serves
+    # model no worker of the queue serves, one a /v1/completions request
     place = {
         "type": "object",
         "properties": {"city": {"type": "string"}},
@@ -265,6 +268,17 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
             "url": "/v1/chat/completions",
             "body": {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi."}]},
         },
+        {
+            "custom_id": "q4",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {
+                "model": "smollm2-135m-instruct",
+                "prompt": COMPLETION_PROMPT,
+                "max_tokens": 12,
+                "logprobs": 2,
+            },
+        },
     ]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -274,7 +288,8 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr.decode()
     # Then the output file is OpenAI batch output, one line per custom_id
     got = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
-    assert set(got) == {"q1", "q2"}
+    assert set(got) == {"q1", "q2", "q4"}
+    completion = got.pop("q4")["response"]["body"]
     for line in got.values():
         assert set(line) == {"id", "custom_id", "response", "error"} and line["error"] is None
         assert line["response"]["status_code"] == 200
@@ -284,6 +299,21 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
         assert body["usage"]["total_tokens"] > 0
     data = json.loads(got["q2"]["response"]["body"]["choices"][0]["message"]["content"])
     jsonschema.validate(data, place)
+    # and the completions line came back a text_completion of its bare prompt, no chat template
+    # around it (its prompt tokens are the tokenizer's own encoding), with legacy logprobs
+    from transformers import AutoTokenizer
+
+    from worker.models import prepare_embedded
+
+    assert completion["object"] == "text_completion", completion
+    (choice,) = completion["choices"]
+    n = completion["usage"]["completion_tokens"]
+    assert choice["text"] and 1 <= n <= 12, completion
+    tokens = AutoTokenizer.from_pretrained(prepare_embedded())(COMPLETION_PROMPT).input_ids
+    assert completion["usage"]["prompt_tokens"] == len(tokens)
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n
+    assert "".join(lp["tokens"]) == choice["text"] and lp["text_offset"][0] == 0
     # and the line naming another model failed alone, with the 404 vLLM's server answers
     (bad,) = map(json.loads, err.read_text().splitlines())
     assert bad["custom_id"] == "q3" and bad["response"]["status_code"] == 404, bad
@@ -295,7 +325,7 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
     batch = proc.stdout.decode().strip()
     again = run_cli("results", batch)
     read = {json.loads(x)["custom_id"] for x in again.stdout.decode().splitlines()}
-    assert read == {"q1", "q2", "q3"}
+    assert read == {"q1", "q2", "q3", "q4"}
 
 
 @pytest.mark.parametrize("content", [None, b"", b"not json\n[1]\n"])

@@ -231,6 +231,61 @@ def test_openai_output_lines_follow_the_batch_output_format() -> None:
     assert out["response"] is None and out["error"]["code"] == "prompt_too_long"
 
 
+def _completion_line(cid: str, **body: Any) -> bytes:
+    line = {"custom_id": cid, "method": "POST", "url": "/v1/completions",
+            "body": {"model": "m", "prompt": "Q: 2+2?\nA:", **body}}  # fmt: skip
+    return json.dumps(line).encode()
+
+
+def test_completions_lines_are_bare_prompts_answered_as_text_completions() -> None:
+    # Given a /v1/completions line as OpenAI's legacy endpoint takes it
+    p = parse_line(1, _completion_line("c1", max_tokens=5, logprobs=2, stop="\n", user="u"))
+    # Then it is a chat job holding the bare prompt, in the completions form
+    job = p.job
+    assert p.error is None and p.format == "openai_completions" and job.unsupported is None
+    assert (job.prompt, job.messages, job.max_tokens, job.logprobs, job.stop) == (
+        "Q: 2+2?\nA:",
+        [],
+        5,
+        2,
+        ["\n"],
+    )
+    # and without max_tokens it gets OpenAI's 16, as vLLM's endpoint gives it
+    assert parse_line(1, _completion_line("c2")).job.max_tokens == 16
+    # and what vqueue does not do fails that line alone, naming its field
+    for body, param in [
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"echo": True}, "echo"),
+        ({"suffix": "x"}, "suffix"),
+        ({"n": 1, "best_of": 3}, "best_of"),
+        ({"frobnicate": 1}, "frobnicate"),
+    ]:
+        p = parse_line(1, _completion_line("x", **body))
+        assert p.error is None and p.job.unsupported.param == param, (body, p.error)
+    assert parse_line(1, _completion_line("x", prompt=["one"])).job.prompt == "one"
+    # and a line for an endpoint vqueue does not take names the two it does
+    other = json.loads(_completion_line("x"))
+    p = parse_line(1, json.dumps({**other, "url": "/v1/embeddings"}).encode())
+    assert p.job is None and "'/v1/chat/completions' or '/v1/completions'" in p.error
+    # When it completes, Then its output line is a text_completion with legacy logprobs
+    top = TopLogprob(token=" 4", logprob=-0.5, bytes=[32, 52])
+    done = JobResult(
+        id="c1", batch="b", type="chat", status="completed", text=" 4", finish_reason="stop",
+        timings=Timings(enqueued_at=1.0, finished_at=2.0), model="m", format="openai_completions",
+        logprobs=[TokenLogprob(token=" 4", logprob=-0.5, bytes=[32, 52], top_logprobs=[top])],
+    )  # fmt: skip
+    body = output_line(done)["response"]["body"]
+    assert (body["object"], body["id"], body["model"]) == ("text_completion", "cmpl-c1", "m")
+    assert body["choices"] == [{"index": 0, "text": " 4", "finish_reason": "stop", "logprobs": {
+        "tokens": [" 4"], "token_logprobs": [-0.5], "top_logprobs": [{" 4": -0.5}],
+        "text_offset": [0]}}]  # fmt: skip
+    # and a vqueue chat job takes messages or a prompt, not both, not neither
+    for wrong in ({}, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+                  {"prompt": "a", "system": "s"}):  # fmt: skip
+        with pytest.raises(ValidationError):
+            jobs.validate_python({"type": "chat", **wrong})
+
+
 def test_the_readme_lists_every_error_type() -> None:
     # the typed list (schemas.results.ErrorType) and README's table name the same errors
     import re

@@ -555,6 +555,45 @@ def test_an_openai_file_with_fields_vqueue_does_not_do_completes(served: Served)
     assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
 
 
+def test_a_completions_batch_answers_text_completions(served: Served) -> None:
+    # Given a /v1/completions batch through the SDK: a plain prompt, one asking for logprobs,
+    # one asking for an echo of its prompt, which vqueue does not do
+    def req(cid: str, **body: Any) -> dict[str, Any]:
+        return {"custom_id": cid, "method": "POST", "url": "/v1/completions",
+                "body": {"model": "gpt-4o-mini", "prompt": "Once upon a time", "max_tokens": 8,
+                         **body}}  # fmt: skip
+
+    lines = [req("plain"), req("lp", logprobs=1), req("echo", echo=True)]
+    sdk, bid = served.batch("a", lines, endpoint="/v1/completions")
+    # Then the batch completes, the echo failing alone with the 400 OpenAI writes
+    done = _until(sdk, bid, ("completed", "failed"))
+    assert done.status == "completed", done
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 1), done
+    (refused,) = map(json.loads, sdk.files.content(done.error_file_id).text.splitlines())
+    assert refused["custom_id"] == "echo" and refused["response"]["status_code"] == 400
+    assert refused["response"]["body"]["error"]["param"] == "echo"
+    # and each answer is a text_completion, with the legacy logprobs where asked
+    answers = {
+        x["custom_id"]: x["response"]["body"]
+        for x in map(json.loads, sdk.files.content(done.output_file_id).text.splitlines())
+    }
+    assert {a["object"] for a in answers.values()} == {"text_completion"}, answers
+    assert answers["plain"]["choices"][0]["text"] == "stub output"
+    assert answers["plain"]["choices"][0]["logprobs"] is None
+    lp = answers["lp"]["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["stub", " output"] and lp["text_offset"] == [0, 4], lp
+    assert all(len(alts) == 1 for alts in lp["top_logprobs"]), lp
+    # and a chat line in a completions batch is refused at validation, naming both forms
+    chat = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "Hi"}]}}  # fmt: skip
+    sdk, bid = served.batch("a", [chat], endpoint="/v1/completions")
+    bad = _until(sdk, bid, ("completed", "failed"))
+    assert bad.status == "failed" and bad.errors is not None, bad
+    assert "a /v1/chat/completions line in a batch for /v1/completions" in (
+        bad.errors.data[0].message or ""
+    ), bad.errors
+
+
 def test_a_file_of_more_requests_than_a_batch_takes_is_refused(served: Served) -> None:
     import openai
 

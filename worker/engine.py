@@ -142,6 +142,10 @@ class EngineHost:
         except Exception as exc:  # noqa: BLE001  # the model's template refused this chat
             raise EngineError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
 
+    def completion_prompt(self, text: str) -> list[int]:
+        """Token ids of a bare prompt (a ``/v1/completions`` line), no chat template."""
+        return self.prompts.completion_prompt(text)
+
     def encode(self, text: str) -> list[int]:
         return self.prompts.encode(text)
 

@@ -235,13 +235,20 @@ class Encoder:
     def literal(self, text: str) -> list[int]:
         return self._encode(text, True)
 
-    def _encode(self, text: str, literal: bool) -> list[int]:
+    def completion(self, text: str) -> list[int]:
+        """A bare prompt as vLLM's completions endpoint encodes it: its markers are special
+        tokens, and the tokenizer adds its own (a BOS token, where the model has one)."""
+        return self._encode(text, False, add_special=True)
+
+    def _encode(self, text: str, literal: bool, add_special: bool = False) -> list[int]:
         way = self._ways.get(literal)
         if way is not None:
-            return list(way.encode_batch([text], add_special_tokens=False)[0].ids)
+            return list(way.encode_batch([text], add_special_tokens=add_special)[0].ids)
         with self._lock:
             return list(
-                self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=literal)
+                self.tokenizer.encode(
+                    text, add_special_tokens=add_special, split_special_tokens=literal
+                )
             )
 
     @property
@@ -378,6 +385,10 @@ class PromptTokenizer:
     ) -> list[int]:
         with self._gate:
             return render(self.encoder, messages, self.nonce, known)
+
+    def completion_prompt(self, text: str) -> list[int]:
+        with self._gate:
+            return self.encoder.completion(text)
 
     def encode(self, text: str) -> list[int]:
         with self._gate:

@@ -111,9 +111,12 @@ def run_job(
             else settings.default_max_tokens(job.type)
         )
         job, result.input_tokens_truncated, known = fit_input(job, engine, settings, want)
-        messages = build_messages(job, settings, examples)
-        # a long document was encoded to measure it: its ids go into the prompt as they are
-        prompt = engine.chat_prompt(messages, known)
+        if isinstance(job, ChatJob) and job.prompt is not None:
+            prompt = engine.completion_prompt(job.prompt)
+        else:
+            messages = build_messages(job, settings, examples)
+            # a long document was encoded to measure it: its ids go into the prompt as they are
+            prompt = engine.chat_prompt(messages, known)
         if isinstance(job, ChatJob):  # a conversation fits its limit or is refused, never cut
             limit = job.max_input_tokens or settings.max_input_tokens(job.type)
             if len(prompt) > limit:
@@ -445,7 +448,8 @@ def retry_sampling(job: Any, policy: EarlyStop, k: int) -> tuple[float, int | No
 def clean_job(job: Any) -> tuple[Any, int]:
     """The job with its texts cleaned (``prompts.clean``), and how many characters went."""
     updates: dict[str, Any] = {}
-    for name, prose in (("text", True), ("instruction", True), ("context", False)):
+    for name, prose in (("text", True), ("instruction", True), ("context", False),
+                        ("prompt", False)):  # fmt: skip
         value = getattr(job, name, None)
         if value:
             updates[name] = clean(value, prose)
