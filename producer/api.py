@@ -65,6 +65,7 @@ LINE_KIND = {
     "vqueue": "vqueue job",
     "openai": "/v1/chat/completions",
     "openai_completions": "/v1/completions",
+    "openai_responses": "/v1/responses",
 }
 # a request body other than an upload: a batch's create call is a few hundred bytes
 MAX_REQUEST_BYTES = 1 << 20

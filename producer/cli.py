@@ -816,14 +816,14 @@ def keys_revoke(obj: Ctx, tenant: str) -> None:
 @cli.command()
 @click.option(
     "--kind",
-    type=click.Choice(["job", "result", "openai", "openai-completions"]),
+    type=click.Choice(["job", "result", "openai", "openai-completions", "openai-responses"]),
     default="job",
     show_default=True,
     help="Which model's JSON Schema.",
 )
 def schema(kind: str) -> None:
     """Print the JSON Schema of an input line (or of a result), for non-Python producers."""
-    from schemas import BatchRequestInput, CompletionRequestInput
+    from schemas import BatchRequestInput, CompletionRequestInput, ResponsesRequestInput
 
     if kind == "job":
         out = job_json_schema()
@@ -831,8 +831,10 @@ def schema(kind: str) -> None:
         out = JobResult.model_json_schema()
     elif kind == "openai":
         out = BatchRequestInput.model_json_schema()
-    else:
+    elif kind == "openai-completions":
         out = CompletionRequestInput.model_json_schema()
+    else:
+        out = ResponsesRequestInput.model_json_schema()
     click.echo(json.dumps(out, indent=2))
 
 

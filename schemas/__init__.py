@@ -16,6 +16,7 @@ from .jobs import (
 from .openai import (
     BatchRequestInput,
     CompletionRequestInput,
+    ResponsesRequestInput,
     output_line,
     rejected_line,
     request_line,
@@ -29,6 +30,7 @@ __all__ = [
     "Attempt",
     "BatchRequestInput",
     "CompletionRequestInput",
+    "ResponsesRequestInput",
     "BatchStatus",
     "ChatJob",
     "ChatMessage",

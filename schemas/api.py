@@ -11,13 +11,14 @@ from pydantic import BaseModel, Field, field_validator
 
 from .jobs import Format
 
-# What a batch's input file holds: OpenAI chat or completions requests, or vqueue's own job
-# lines (every type, extraction schemas and templates included); a batch takes lines of its
-# endpoint only, and each endpoint's lines come back in their own form.
-Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/vqueue/jobs"]
+# What a batch's input file holds: OpenAI chat, completions or responses requests, or vqueue's
+# own job lines (every type, extraction schemas and templates included); a batch takes lines of
+# its endpoint only, and each endpoint's lines come back in their own form.
+Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/vqueue/jobs"]
 ENDPOINT_FORMAT: dict[str, Format] = {
     "/v1/chat/completions": "openai",
     "/v1/completions": "openai_completions",
+    "/v1/responses": "openai_responses",
     "/v1/vqueue/jobs": "vqueue",
 }
 ENDPOINTS = tuple(ENDPOINT_FORMAT)

@@ -312,7 +312,7 @@ class ChatJob(_JobBase):
 PROMPT_PREFIX_CHARS = 256
 
 
-Format = Literal["vqueue", "openai", "openai_completions"]
+Format = Literal["vqueue", "openai", "openai_completions", "openai_responses"]
 
 Job = Annotated[SummarizeJob | ExtractJob | CodegenJob | ChatJob, Field(discriminator="type")]
 JobType = Literal["summarize", "extract", "codegen", "chat"]
@@ -354,7 +354,7 @@ class Envelope(BaseModel):
     job: Job
     batch: str = Field(pattern=BATCH_PATTERN)
     # the form the line came in, and its result goes back out in: vqueue's own, an OpenAI Batch
-    # API ``/v1/chat/completions`` line ("openai") or a ``/v1/completions`` line
+    # API ``/v1/chat/completions`` line ("openai"), a ``/v1/completions`` or ``/v1/responses`` line
     format: Format = "vqueue"
     # the OpenAI request's "model" field, as asked; the result names the model that answered
     model: str | None = None

@@ -1,8 +1,9 @@
 """OpenAI Batch API lines, so existing batch tooling works unchanged.
 
-Input: one ``/v1/chat/completions`` or ``/v1/completions`` request per line. Output: one line
-per request in OpenAI's batch output shape (``chat.completion`` or ``text_completion``);
-failures go to the errors file with ``response: null`` and an ``error``.
+Input: one ``/v1/chat/completions``, ``/v1/completions`` or ``/v1/responses`` request per line.
+Output: one line per request in OpenAI's batch output shape (``chat.completion``,
+``text_completion`` or ``response``); failures go to the errors file with ``response: null``
+and an ``error``.
 """
 
 from __future__ import annotations
@@ -162,7 +163,124 @@ class _RequestLine(BaseModel):
 
     custom_id: str = Field(min_length=1, max_length=256)
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/completions"]
+    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+
+
+# Response items a request's ``input`` may hold, and the content parts of each: text only
+_TEXT_PARTS = {"input_text", "output_text", "text"}
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+# what ``include`` may ask for: the answer's logprobs (``top_logprobs`` alternatives each)
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+
+
+class ResponsesBody(BaseModel):
+    """A ``/v1/responses`` body: ``input`` (a string, or message items with text content),
+    ``instructions`` as the system turn, ``text.format`` for JSON. Typed and ignored fields as
+    ``ChatCompletionBody``; tools, conversations and streaming fail the request alone."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(min_length=1)
+    instructions: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+    max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_OUTPUT_TOKENS)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    text: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    stream: bool | None = None
+    background: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    prompt: Any = None
+
+    def messages(self) -> list[ChatMessage] | Unsupported:
+        """``instructions`` then ``input`` as chat messages; or what in them vqueue cannot
+        read (an item that is not a text message)."""
+        out = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+        if isinstance(self.input, str):
+            return [*out, ChatMessage(role="user", content=self.input)]
+        for i, item in enumerate(self.input):
+            role, content = item.get("role"), item.get("content")
+            if item.get("type", "message") != "message" or role not in _ROLES:
+                what = item.get("type") or role
+                return Unsupported(param="input", message=f"input[{i}]: vqueue takes message "
+                                   f"items with a role, not {str(what)[:40]!r}")  # fmt: skip
+            if isinstance(content, list):
+                kinds = [p.get("type") if isinstance(p, dict) else None for p in content]
+                if not content or any(k not in _TEXT_PARTS for k in kinds):
+                    other = next((k for k in kinds if k not in _TEXT_PARTS), None)
+                    return Unsupported(param="input", message=f"input[{i}]: vqueue answers text "
+                                       f"only, not {str(other)[:40]!r} content")  # fmt: skip
+                content = "".join(str(p.get("text", "")) for p in content)
+            if not isinstance(content, str):
+                return Unsupported(param="input", message=f"input[{i}]: content must be text")
+            out.append(ChatMessage(role=_ROLES[role], content=content))  # type: ignore[arg-type]
+        return out
+
+    def unsupported(self) -> Unsupported | None:
+        fmt = (self.text or {}).get("format") or {}
+        asks = [
+            ("tools", bool(self.tools), "does not call tools"),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto"), "does not call tools"),
+            ("stream", bool(self.stream), "a batch request is not streamed"),
+            ("background", bool(self.background), "runs every batch request in the background"),
+            ("previous_response_id", self.previous_response_id is not None,
+             "keeps no responses to continue (send the whole conversation as input)"),
+            ("conversation", self.conversation is not None, "keeps no conversations"),
+            ("prompt", self.prompt is not None, "keeps no prompt templates"),
+            ("include", any(x != INCLUDE_LOGPROBS for x in self.include or []),
+             f"includes {INCLUDE_LOGPROBS} only"),
+            ("text", fmt.get("type", "text") not in ("text", "json_object", "json_schema"),
+             "takes text.format text, json_object or json_schema"),
+            ("text", fmt.get("type") == "json_schema" and not isinstance(fmt.get("schema"), dict),
+             "needs text.format.schema, a JSON Schema object"),
+        ]  # fmt: skip
+        for param, asked, why in asks:
+            if asked:
+                return Unsupported(param=param, message=f"{param}: vqueue {why}")
+        unknown = sorted(set(self.model_extra or {}) - IGNORED_FIELDS)
+        if unknown:
+            return Unsupported(param=unknown[0], message=f"Unrecognized request argument "
+                               f"supplied: {unknown[0]}")  # fmt: skip
+        return None
+
+
+class ResponsesRequestInput(_RequestLine):
+    """One ``/v1/responses`` input line; ``custom_id`` becomes the job id."""
+
+    body: ResponsesBody
+    format: ClassVar[Format] = "openai_responses"
+
+    def to_job(self, priority: int = 0) -> ChatJob:
+        b = self.body
+        messages = b.messages()
+        refused = messages if isinstance(messages, Unsupported) else b.unsupported()
+        fmt = (b.text or {}).get("format") or {}
+        fields: dict[str, Any] = dict(
+            id=self.custom_id,
+            type="chat",
+            priority=priority,
+            messages=messages if refused is None else [ChatMessage(role="user", content="?")],
+            max_tokens=b.max_output_tokens,
+            json_schema=fmt["schema"] if refused is None and fmt.get("type") == "json_schema"
+            else None,
+            json_object=fmt.get("type") == "json_object",
+            metadata=b.metadata or {},
+            unsupported=refused,
+        )  # fmt: skip
+        for name in ("temperature", "top_p"):
+            if getattr(b, name) is not None:
+                fields[name] = getattr(b, name)
+        if INCLUDE_LOGPROBS in (b.include or []) or b.top_logprobs is not None:
+            fields["logprobs"] = b.top_logprobs or 0
+        return ChatJob.model_validate(fields)
 
 
 class CompletionRequestInput(_RequestLine):
@@ -238,11 +356,17 @@ class BatchRequestInput(_RequestLine):
         return ChatJob.model_validate(fields)
 
 
-def request_line(obj: dict[str, Any]) -> BatchRequestInput | CompletionRequestInput:
+RequestLine = BatchRequestInput | CompletionRequestInput | ResponsesRequestInput
+
+
+def request_line(obj: dict[str, Any]) -> RequestLine:
     """An OpenAI batch input line as the request its ``url`` names (a chat request when it names
-    neither, whose error then lists both)."""
-    if obj.get("url") == "/v1/completions":
+    none of them, whose error then lists them)."""
+    url = obj.get("url")
+    if url == "/v1/completions":
         return CompletionRequestInput.model_validate(obj)
+    if url == "/v1/responses":
+        return ResponsesRequestInput.model_validate(obj)
     return BatchRequestInput.model_validate(obj)
 
 
@@ -282,6 +406,8 @@ def output_line(result: JobResult) -> dict[str, Any]:
         "completion_tokens": result.usage.completion_tokens,
         "total_tokens": result.usage.prompt_tokens + result.usage.completion_tokens,
     }
+    if result.format == "openai_responses":
+        return _ok(result, _response_body(result, created))
     if result.format == "openai_completions":
         body: dict[str, Any] = {
             "id": f"cmpl-{result.id}",
@@ -299,12 +425,7 @@ def output_line(result: JobResult) -> dict[str, Any]:
             ],  # fmt: skip
             "usage": usage,
         }
-        return {
-            "id": line_id,
-            "custom_id": result.id,
-            "response": {"status_code": 200, "request_id": result.id, "body": body},
-            "error": None,
-        }
+        return _ok(result, body)
     body = {
         "id": f"chatcmpl-{result.id}",
         "object": "chat.completion",
@@ -321,12 +442,7 @@ def output_line(result: JobResult) -> dict[str, Any]:
         ],
         "usage": usage,
     }
-    return {
-        "id": line_id,
-        "custom_id": result.id,
-        "response": {"status_code": 200, "request_id": result.id, "body": body},
-        "error": None,
-    }
+    return _ok(result, body)
 
 
 def _logprobs(tokens: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -334,6 +450,49 @@ def _logprobs(tokens: list[TokenLogprob] | None) -> dict[str, Any] | None:
     if tokens is None:
         return None
     return {"content": [t.model_dump() for t in tokens], "refusal": None}
+
+
+def _ok(result: JobResult, body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": f"batch_req_{result.id}",
+        "custom_id": result.id,
+        "response": {"status_code": 200, "request_id": result.id, "body": body},
+        "error": None,
+    }
+
+
+def _response_body(result: JobResult, created: int) -> dict[str, Any]:
+    """A ``/v1/responses`` answer: one assistant message of ``output_text``; ``incomplete``
+    with its reason when the answer ran out of ``max_output_tokens``."""
+    cut = result.finish_reason == "length"
+    text: dict[str, Any] = {"type": "output_text", "text": result.text or "", "annotations": []}
+    if result.logprobs is not None:
+        text["logprobs"] = [t.model_dump() for t in result.logprobs]
+    u = result.usage
+    return {
+        "id": f"resp_{result.id}",
+        "object": "response",
+        "created_at": created,
+        "status": "incomplete" if cut else "completed",
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+        "model": result.model,
+        "output": [{
+            "type": "message", "id": f"msg_{result.id}", "role": "assistant",
+            "status": "incomplete" if cut else "completed", "content": [text],
+        }],
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "tools": [],
+        "metadata": result.metadata or {},
+        "usage": {
+            "input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": u.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+        },
+    }  # fmt: skip
 
 
 def _legacy_logprobs(tokens: list[TokenLogprob] | None) -> dict[str, Any] | None:

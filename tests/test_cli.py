@@ -101,7 +101,8 @@ def test_templates_show_and_schema_kinds(cli: Cli) -> None:
     missing = cli("templates", "show", "no-such-template")
     assert missing.returncode == RET_NOT_FOUND and b"no template" in missing.stderr
     for kind, key in (("result", "status"), ("openai", "messages"),
-                      ("openai-completions", "best_of"), ("job", "discriminator")):  # fmt: skip
+                      ("openai-completions", "best_of"), ("openai-responses", "instructions"),
+                      ("job", "discriminator")):  # fmt: skip
         out = cli("schema", "--kind", kind)
         assert out.returncode == 0 and key in out.stdout.decode(), kind
 

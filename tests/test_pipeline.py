@@ -230,7 +230,7 @@ COMPLETION_PROMPT = "The three primary colors are red,"
 
 def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> None:
     # Given an OpenAI Batch API input file, one line asking for a JSON schema, one naming a
-    # model no worker of the queue serves, one a /v1/completions request
+    # model no worker of the queue serves, a /v1/completions and a /v1/responses request
     place = {
         "type": "object",
         "properties": {"city": {"type": "string"}},
@@ -279,6 +279,17 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
                 "logprobs": 2,
             },
         },
+        {
+            "custom_id": "q5",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {
+                "model": "smollm2-135m-instruct",
+                "instructions": "Answer in one word.",
+                "input": "What colour is the sky?",
+                "max_output_tokens": 8,
+            },
+        },
     ]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -288,8 +299,9 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr.decode()
     # Then the output file is OpenAI batch output, one line per custom_id
     got = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
-    assert set(got) == {"q1", "q2", "q4"}
+    assert set(got) == {"q1", "q2", "q4", "q5"}
     completion = got.pop("q4")["response"]["body"]
+    response = got.pop("q5")["response"]["body"]
     for line in got.values():
         assert set(line) == {"id", "custom_id", "response", "error"} and line["error"] is None
         assert line["response"]["status_code"] == 200
@@ -314,6 +326,11 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n
     assert "".join(lp["tokens"]) == choice["text"] and lp["text_offset"][0] == 0
+    # and the responses line came back a response object, as the openai SDK reads it
+    from openai.types.responses import Response
+
+    assert response["object"] == "response" and response["status"] in ("completed", "incomplete")
+    assert Response.model_validate(response).output_text, response
     # and the line naming another model failed alone, with the 404 vLLM's server answers
     (bad,) = map(json.loads, err.read_text().splitlines())
     assert bad["custom_id"] == "q3" and bad["response"]["status_code"] == 404, bad
@@ -325,7 +342,7 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
     batch = proc.stdout.decode().strip()
     again = run_cli("results", batch)
     read = {json.loads(x)["custom_id"] for x in again.stdout.decode().splitlines()}
-    assert read == {"q1", "q2", "q3", "q4"}
+    assert read == {"q1", "q2", "q3", "q4", "q5"}
 
 
 @pytest.mark.parametrize("content", [None, b"", b"not json\n[1]\n"])

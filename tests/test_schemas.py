@@ -263,10 +263,12 @@ def test_completions_lines_are_bare_prompts_answered_as_text_completions() -> No
         p = parse_line(1, _completion_line("x", **body))
         assert p.error is None and p.job.unsupported.param == param, (body, p.error)
     assert parse_line(1, _completion_line("x", prompt=["one"])).job.prompt == "one"
-    # and a line for an endpoint vqueue does not take names the two it does
+    # and a line for an endpoint vqueue does not take names the three it does
     other = json.loads(_completion_line("x"))
     p = parse_line(1, json.dumps({**other, "url": "/v1/embeddings"}).encode())
-    assert p.job is None and "'/v1/chat/completions' or '/v1/completions'" in p.error
+    assert p.job is None and "'/v1/chat/completions', '/v1/completions' or '/v1/responses'" in (
+        p.error
+    )
     # When it completes, Then its output line is a text_completion with legacy logprobs
     top = TopLogprob(token=" 4", logprob=-0.5, bytes=[32, 52])
     done = JobResult(
@@ -284,6 +286,73 @@ def test_completions_lines_are_bare_prompts_answered_as_text_completions() -> No
                   {"prompt": "a", "system": "s"}):  # fmt: skip
         with pytest.raises(ValidationError):
             jobs.validate_python({"type": "chat", **wrong})
+
+
+def _responses_line(cid: str, **body: Any) -> bytes:
+    line = {"custom_id": cid, "method": "POST", "url": "/v1/responses",
+            "body": {"model": "m", "input": "Name a colour.", **body}}  # fmt: skip
+    return json.dumps(line).encode()
+
+
+def test_responses_lines_are_chats_answered_as_response_objects() -> None:
+    # Given /v1/responses lines: a string input with instructions, message items with text
+    # parts (a developer turn among them), a JSON Schema in text.format, logprobs included
+    p = parse_line(1, _responses_line("r1", instructions="Be brief.", max_output_tokens=9,
+                                      include=["message.output_text.logprobs"], top_logprobs=2,
+                                      store=False))  # fmt: skip
+    job = p.job
+    assert p.error is None and p.format == "openai_responses" and job.unsupported is None
+    assert [(m.role, m.content) for m in job.messages] == [
+        ("system", "Be brief."), ("user", "Name a colour.")
+    ]  # fmt: skip
+    assert (job.max_tokens, job.logprobs) == (9, 2)
+    items = [{"role": "developer", "content": "Answer in French."},
+             {"type": "message", "role": "user", "content": [
+                 {"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": " there"}
+             ]}]  # fmt: skip
+    schema = {"type": "object", "properties": {"c": {"type": "string"}}}
+    fmt = {"format": {"type": "json_schema", "name": "c", "schema": schema, "strict": True}}
+    job = parse_line(1, _responses_line("r2", input=items, text=fmt)).job
+    assert [(m.role, m.content) for m in job.messages] == [
+        ("system", "Answer in French."), ("user", "Hello there")
+    ]  # fmt: skip
+    assert job.json_schema == schema and job.unsupported is None
+    # and what vqueue does not do fails that line alone, naming its field
+    for body, param in [
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+         "input"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"stream": True}, "stream"),
+        ({"frobnicate": 1}, "frobnicate"),
+    ]:  # fmt: skip
+        p = parse_line(1, _responses_line("x", **body))
+        assert p.error is None and p.job.unsupported.param == param, (body, p.error)
+    # When one completes, and one runs out of tokens, Then each is a response object
+    done = JobResult(
+        id="r1", batch="b", type="chat", status="completed", text="Blue.", finish_reason="stop",
+        timings=Timings(enqueued_at=1.0, finished_at=2.0), model="m", format="openai_responses",
+        usage={"prompt_tokens": 7, "completion_tokens": 2},
+    )  # fmt: skip
+    body = output_line(done)["response"]["body"]
+    assert (body["object"], body["id"], body["status"], body["model"]) == (
+        "response", "resp_r1", "completed", "m"
+    )  # fmt: skip
+    (message,) = body["output"]
+    assert (message["type"], message["role"], message["status"]) == (
+        "message", "assistant", "completed"
+    )  # fmt: skip
+    assert message["content"] == [{"type": "output_text", "text": "Blue.", "annotations": []}]
+    assert (body["usage"]["input_tokens"], body["usage"]["output_tokens"]) == (7, 2)
+    cut = output_line(done.model_copy(update={"finish_reason": "length"}))["response"]["body"]
+    assert cut["status"] == "incomplete"
+    assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    # and the body is one the openai SDK reads as its Response
+    from openai.types.responses import Response
+
+    assert Response.model_validate(body).output_text == "Blue."
 
 
 def test_the_readme_lists_every_error_type() -> None:

@@ -594,6 +594,37 @@ def test_a_completions_batch_answers_text_completions(served: Served) -> None:
     ), bad.errors
 
 
+def test_a_responses_batch_answers_response_objects(served: Served) -> None:
+    # Given a /v1/responses batch through the SDK: a string input, message items, and one
+    # continuing a stored response, which vqueue does not keep
+    def req(cid: str, **body: Any) -> dict[str, Any]:
+        return {"custom_id": cid, "method": "POST", "url": "/v1/responses",
+                "body": {"model": "gpt-4o-mini", "input": "Hi", "max_output_tokens": 8,
+                         **body}}  # fmt: skip
+
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]
+    lines = [req("plain"), req("items", input=items, metadata={"k": "v"}),
+             req("more", previous_response_id="resp_x")]  # fmt: skip
+    sdk, bid = served.batch("a", lines, endpoint="/v1/responses")
+    # Then the batch completes, the continuation failing alone with a 400 naming its field
+    done = _until(sdk, bid, ("completed", "failed"))
+    assert done.status == "completed", done
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 1), done
+    (refused,) = map(json.loads, sdk.files.content(done.error_file_id).text.splitlines())
+    assert refused["response"]["body"]["error"]["param"] == "previous_response_id", refused
+    # and each answer is a response object the SDK reads, metadata echoed
+    from openai.types.responses import Response
+
+    answers = {
+        x["custom_id"]: Response.model_validate(x["response"]["body"])
+        for x in map(json.loads, sdk.files.content(done.output_file_id).text.splitlines())
+    }
+    assert {k: a.output_text for k, a in answers.items()} == {
+        "plain": "stub output", "items": "stub output"
+    }  # fmt: skip
+    assert answers["items"].metadata == {"k": "v"} and answers["plain"].model == "fake"
+
+
 def test_a_file_of_more_requests_than_a_batch_takes_is_refused(served: Served) -> None:
     import openai
 
