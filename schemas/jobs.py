@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .settings import EarlyStop
 
 # Bounds that keep one hostile line from costing the fleet more than its own failure.
+MAX_TESTS_CHARS = 100_000  # a codegen job's tests
 MAX_TEXT_CHARS = 1_000_000  # ~250k tokens: larger than any context we serve, still bounded
 MAX_SCHEMA_CHARS = 64_000  # a JSON Schema this large is a mistake, and compiling it is costly
 MAX_SCHEMA_DEPTH = 32  # grammar compilation recurses; deeper schemas are rejected at submit
@@ -260,13 +261,32 @@ class ExtractJob(_JobBase):
         return self
 
 
+PYTHON = ("python", "python3", "py")  # the language names tests run for
+
+
 class CodegenJob(_JobBase):
-    """Write code in ``language`` following ``instruction``, optionally against ``context`` code."""
+    """Write code in ``language`` following ``instruction``, optionally against ``context`` code.
+    With ``tests`` (Python), the answer runs against them in a sandbox and is sampled again
+    until it passes, at most ``max_attempts`` times (``worker/sandbox.py``)."""
 
     type: Literal["codegen"]
     instruction: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
     language: str = Field(default="python", min_length=1, max_length=40)
     context: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+    # code that checks the answer: asserts after it (the answer is also ``import solution``),
+    # or HumanEval's ``def check(candidate)`` called with ``entry_point``
+    tests: str | None = Field(default=None, min_length=1, max_length=MAX_TESTS_CHARS)
+    entry_point: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,99}$")
+    max_attempts: int = Field(default=3, ge=1, le=10)
+
+    @model_validator(mode="after")
+    def _tests_run_for_python(self) -> CodegenJob:
+        if self.tests is not None and self.language.lower() not in PYTHON:
+            raise ValueError(f"tests run for Python answers only, not {self.language[:40]!r}")
+        if self.entry_point is not None and self.tests is None:
+            raise ValueError("entry_point names what the tests' check() is called with: "
+                             "it needs tests")  # fmt: skip
+        return self
 
 
 class Unsupported(BaseModel):

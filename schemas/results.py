@@ -29,6 +29,8 @@ ErrorType = Literal[
     "internal_error",
     "cancelled",
     "expired",
+    "tests_failed",
+    "sandbox_unavailable",
 ]
 ERROR_TYPES: dict[str, str] = {
     "prompt_too_long": "the prompt does not fit the model's context with room to answer",
@@ -55,6 +57,10 @@ ERROR_TYPES: dict[str, str] = {
     "cancelled": "the job was revoked (Flower, `celery control revoke`) or its batch cancelled "
     "(`vqueue cancel`) before it ran",
     "expired": "its batch's completion window ended before the job started",
+    "tests_failed": "no answer of a codegen job passed its tests in max_attempts attempts; "
+    "text and code hold the last, tests every attempt's outcome",
+    "sandbox_unavailable": "the job carries tests and the worker cannot run them sandboxed "
+    "(bubblewrap missing or unable to make namespaces: vqueue worker --check)",
 }
 assert set(ERROR_TYPES) == set(get_args(ErrorType))
 
@@ -88,6 +94,29 @@ class Attempt(BaseModel):
     seed: int | None
     low_confidence: bool  # the rule held at some point (the last attempt is never aborted)
     frequency_penalty: float = 0.0  # a retry after a loop penalizes the tokens it repeats
+
+
+class TestAttempt(BaseModel):
+    """One answer of a codegen job with tests, and what running its tests came to: ``passed``,
+    ``failed`` (an error; ``detail`` is its last line), ``timed_out`` (killed at
+    ``VQUEUE_TEST_TIMEOUT_S``), ``killed`` (CPU time, memory or output past its limit)."""
+
+    __test__ = False  # not a pytest class
+
+    n: int  # 1-based
+    outcome: Literal["passed", "failed", "timed_out", "killed"]
+    detail: str | None = None
+    seconds: float  # the tests' run
+    tokens: int  # the answer's
+    temperature: float
+    seed: int | None
+
+
+class TestReport(BaseModel):
+    __test__ = False
+
+    passed: bool
+    attempts: list[TestAttempt]
 
 
 class Timings(BaseModel):
@@ -167,6 +196,8 @@ class JobResult(BaseModel):
     choices: list[Choice] | None = None
     # a chat job that asked for logprobs: one entry per answer token (of the first choice)
     logprobs: list[TokenLogprob] | None = None
+    # a codegen job with tests: whether an answer passed them, and each answer's run
+    tests: TestReport | None = None
 
 
 class BatchStatus(BaseModel):

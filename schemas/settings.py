@@ -197,6 +197,16 @@ class Settings(BaseSettings):
     max_tokens_codegen: int = 512
     max_tokens_chat: int = 512
 
+    # -- codegen jobs with tests (worker/sandbox.py): each answer runs against its tests in a
+    # bubblewrap sandbox with these limits; a failing answer is sampled again (a new seed, at
+    # codegen_retry_temperature when the job is greedy) up to the job's max_attempts
+    test_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    test_memory_mb: int = Field(default=512, ge=64)
+    test_output_bytes: int = Field(default=65536, ge=1024)
+    # programs run at once per worker process; 0: one per core
+    test_concurrency: int = Field(default=0, ge=0)
+    codegen_retry_temperature: float = Field(default=0.8, gt=0.0, le=2.0)
+
     # -- logprob early stop (worker/confidence.py; docs/early-stop.md)
     # load the in-engine confidence monitor; off: no job is monitored, whatever its policy
     confidence_monitor: bool = True

@@ -76,6 +76,46 @@ def test_three_job_types_complete(worker: WorkerProc, client: Client) -> None:
     assert (st.total, st.completed, st.failed) == (3, 3, 0)
 
 
+def test_codegen_answers_run_against_their_tests_until_one_passes(client: Client) -> None:
+    # Given a codegen job whose tests a right answer passes, and one whose tests none can
+    instruction = "Write a Python function add(a, b) that returns a + b."
+    right = CodegenJob(
+        type="codegen",
+        id="cg-right",
+        instruction=instruction,
+        max_tokens=96,
+        tests="assert add(2, 3) == 5\nassert add(-1, 1) == 0",
+        max_attempts=4,
+    )
+    never = CodegenJob(
+        type="codegen",
+        id="cg-never",
+        instruction=instruction,
+        max_tokens=96,
+        tests="assert False, 'no answer passes this'",
+        max_attempts=2,
+        seed=5,
+    )
+    # When they go through the queue
+    results = {r.id: r for r in client.submit_many([right, never]).results(timeout=300)}
+    # Then the first completes with an answer that passed, every run of its tests recorded
+    ok = results["cg-right"]
+    assert ok.status == "completed" and ok.tests is not None and ok.tests.passed, ok
+    assert ok.tests.attempts[-1].outcome == "passed" and "def add" in (ok.code or ""), ok
+    assert all(a.outcome != "passed" for a in ok.tests.attempts[:-1]), ok.tests
+    # and the other fails tests_failed after its two attempts, each with the failing line, the
+    # retry sampled with a new seed, the first answer's tokens counted as wasted
+    bad = results["cg-never"]
+    assert bad.status == "failed" and bad.error and bad.error.type == "tests_failed", bad
+    runs = bad.tests.attempts if bad.tests else []
+    assert [(a.n, a.outcome, a.detail) for a in runs] == [
+        (1, "failed", "AssertionError: no answer passes this"),
+        (2, "failed", "AssertionError: no answer passes this"),
+    ], runs
+    assert (runs[0].seed, runs[1].seed, runs[1].temperature) == (5, 6, 0.8), runs
+    assert bad.usage.wasted_tokens == runs[0].tokens > 0 and bad.code is not None, bad.usage
+
+
 def test_jobs_run_concurrently_in_one_engine(worker: WorkerProc, client: Client) -> None:
     # Given eight jobs submitted at once to one worker (one engine of 8 sequences)
     jobs = [

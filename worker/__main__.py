@@ -171,6 +171,10 @@ def _check(as_json: bool) -> None:
         _fail(f"this worker cannot run: {exc}", RET_CONFIG)
     except Exception as exc:  # noqa: BLE001  # vLLM refusing the model or the engine arguments
         _fail(f"this worker cannot run: {type(exc).__name__}: {exc}", RET_CONFIG)
+    from .sandbox import sandbox_problem
+
+    sandbox = sandbox_problem()  # codegen jobs with tests run only where this is None
+    report["tests_sandbox"] = "bwrap" if sandbox is None else f"unavailable: {sandbox}"
     if as_json:
         click.echo(json.dumps(report))
         return
@@ -180,6 +184,7 @@ def _check(as_json: bool) -> None:
     click.echo(f"{'early_stop':<18} {report['monitor']}")
     for key in ("guided_batching", "grammar_reuse", "mask_reorder"):
         click.echo(f"{key:<18} {'on' if report[key] else 'off'}")
+    click.echo(f"{'tests_sandbox':<18} {report['tests_sandbox']}")
     for name, why in report["missing"].items():
         click.echo(f"{'not installed':<18} {name}: {why}")
     click.echo(f"{'status':<18} {'DEGRADED' if report['degraded'] else 'ok'}")

@@ -30,10 +30,12 @@ from schemas import (
     Timings,
     Usage,
 )
+from schemas.results import TestAttempt, TestReport
 
 from .confidence import Monitor
 from .engine import EngineError, EngineHost, Generation, JobTimeout, JobWithdrawn
 from .prompts import build_messages, clean, extract_code
+from .sandbox import run_tests, sandbox_problem
 from .structured import (
     GrammarCheck,
     SchemaRefused,
@@ -134,6 +136,9 @@ def run_job(
         if isinstance(job, ChatJob) and job.n > 1:
             _choices(job, engine, settings, prompt, max_tokens, room, env, result, grammar,
                      deadline)  # fmt: skip
+        elif isinstance(job, CodegenJob) and job.tests is not None:
+            _tested(job, engine, settings, prompt, max_tokens, room, env.prefix_key, result,
+                    deadline, env.tenant)  # fmt: skip
         else:
             _answer(job, engine, settings, prompt, max_tokens, room, env.prefix_key, result,
                     grammar, deadline, env.tenant)  # fmt: skip
@@ -194,6 +199,54 @@ def _answer(
     t.sent_at, t.submitted_at, t.scheduled_at = gen.sent_at, gen.submitted_at, gen.scheduled_at
     t.first_token_at = gen.first_token_at
     _read_output(job, gen.text, gen.finish_reason, result, max_tokens, cut)
+
+
+def _tested(
+    job: CodegenJob,
+    engine: EngineHost,
+    settings: Settings,
+    prompt: list[int],
+    max_tokens: int,
+    room: int,
+    prefix_key: str | None,
+    result: JobResult,
+    deadline: float,
+    salt: str | None,
+) -> None:
+    """A codegen job with tests: answer, run the answer's code against the tests in the
+    sandbox, and answer again (a new seed; a greedy job samples at
+    ``codegen_retry_temperature``) until one passes or ``max_attempts`` have run. The result
+    holds the passing answer, or the last, and every run in ``result.tests``; the tokens of
+    answers thrown away count as wasted."""
+    problem = sandbox_problem()
+    if problem is not None:
+        raise JobFailed("sandbox_unavailable", f"this worker cannot run tests: {problem}")
+    result.tests = report = TestReport(passed=False, attempts=[])
+    thrown = 0
+    for k in range(job.max_attempts):
+        run = job
+        if k:
+            thrown += result.usage.completion_tokens + result.usage.wasted_tokens
+            result.timings.previous_finished_at = time.time()
+            seed = job.seed + k if job.seed is not None else random.randrange(2**31)
+            temperature = job.temperature or settings.codegen_retry_temperature
+            run = job.model_copy(update={"seed": seed, "temperature": temperature})
+        _answer(run, engine, settings, prompt, max_tokens, room, prefix_key if k == 0 else None,
+                result, None, deadline, salt)  # fmt: skip
+        outcome = run_tests(result.code or "", job.tests or "", job.entry_point, settings)
+        report.attempts.append(TestAttempt(
+            n=k + 1, outcome=outcome.outcome, detail=outcome.detail, seconds=outcome.seconds,
+            tokens=result.usage.completion_tokens, temperature=run.temperature, seed=run.seed,
+        ))  # fmt: skip
+        if outcome.outcome == "passed":
+            report.passed = True
+            break
+    result.usage.wasted_tokens += thrown
+    if not report.passed:
+        last = report.attempts[-1]
+        raise JobFailed("tests_failed", f"no answer passed its tests in {len(report.attempts)} "
+                        f"attempt(s); the last {last.outcome}"
+                        + (f": {last.detail}" if last.detail else ""))  # fmt: skip
 
 
 # Threads for a chat job's choices after its first, shared by the worker process's jobs: a job's
