@@ -28,6 +28,22 @@ IGNORED_FIELDS = frozenset({
 REFUSED_STATUS = {"unsupported_parameter": 400, "model_not_found": 404}
 
 
+def _first_refused(
+    asks: list[tuple[str, bool, str]], extra: dict[str, Any] | None
+) -> Unsupported | None:
+    """The first of a body's ``(field, asked, why vqueue does not)`` that it asks for, else its
+    first field OpenAI does not know (what is not typed, nor taken and ignored); None when it
+    asks for nothing vqueue cannot do."""
+    for param, asked, why in asks:
+        if asked:
+            return Unsupported(param=param, message=f"{param}: vqueue {why}")
+    unknown = sorted(set(extra or {}) - IGNORED_FIELDS)
+    if unknown:
+        return Unsupported(param=unknown[0], message=f"Unrecognized request argument "
+                           f"supplied: {unknown[0]}")  # fmt: skip
+    return None
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -88,14 +104,7 @@ class ChatCompletionBody(BaseModel):
             ("prediction", self.prediction is not None, "takes no predicted output"),
             ("web_search_options", self.web_search_options is not None, "does not search"),
         ]
-        for param, asked, why in asks:
-            if asked:
-                return Unsupported(param=param, message=f"{param}: vqueue {why}")
-        unknown = sorted(set(self.model_extra or {}) - IGNORED_FIELDS)
-        if unknown:
-            return Unsupported(param=unknown[0], message=f"Unrecognized request argument "
-                               f"supplied: {unknown[0]}")  # fmt: skip
-        return None
+        return _first_refused(asks, self.model_extra)
 
 
 # OpenAI's legacy completions default, which vLLM's endpoint keeps: a line without max_tokens
@@ -148,14 +157,7 @@ class CompletionBody(BaseModel):
             ("suffix", self.suffix is not None, "does not insert text (suffix)"),
             ("stream", bool(self.stream), "a batch request is not streamed"),
         ]
-        for param, asked, why in asks:
-            if asked:
-                return Unsupported(param=param, message=f"{param}: vqueue {why}")
-        unknown = sorted(set(self.model_extra or {}) - IGNORED_FIELDS)
-        if unknown:
-            return Unsupported(param=unknown[0], message=f"Unrecognized request argument "
-                               f"supplied: {unknown[0]}")  # fmt: skip
-        return None
+        return _first_refused(asks, self.model_extra)
 
 
 class _RequestLine(BaseModel):
@@ -242,14 +244,7 @@ class ResponsesBody(BaseModel):
             ("text", fmt.get("type") == "json_schema" and not isinstance(fmt.get("schema"), dict),
              "needs text.format.schema, a JSON Schema object"),
         ]  # fmt: skip
-        for param, asked, why in asks:
-            if asked:
-                return Unsupported(param=param, message=f"{param}: vqueue {why}")
-        unknown = sorted(set(self.model_extra or {}) - IGNORED_FIELDS)
-        if unknown:
-            return Unsupported(param=unknown[0], message=f"Unrecognized request argument "
-                               f"supplied: {unknown[0]}")  # fmt: skip
-        return None
+        return _first_refused(asks, self.model_extra)
 
 
 class ResponsesRequestInput(_RequestLine):
