@@ -1,7 +1,7 @@
 """What vLLM's loop check (``SamplingParams.repetition_detection``, as the worker sets it) costs
 the engine, in raw vLLM: the same prompts with and without it, in alternating rounds.
 
-    python -m benchmarks.loop_cost --model /tmp/models/qwen05 --out $OUT/loop-cost
+    python -m benchmarks.loop_cost --model /tmp/models/qwen05 --out $OUT/loop-cost [--cycles 32,128]
 
 Equal work on both sides: every request samples (temperature 1, fixed seeds) to exactly
 ``--out-tokens`` with ``ignore_eos``, and the check's ``min_tokens`` is 0 so it runs every step
@@ -29,6 +29,9 @@ def main() -> None:
     ap.add_argument("--out-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=0)
+    ap.add_argument("--cycles", default="",
+                    help="longest cycles to check, comma-separated (VQUEUE_LOOP_MAX_CYCLE_TOKENS "
+                    "each); default: the setting as it stands")  # fmt: skip
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -57,23 +60,31 @@ def main() -> None:
         ignore_eos = False
         json_schema = None
 
-    check = loop_detection(_Job(), Settings(_env_file=None))
+    base = Settings(_env_file=None)
+    sizes = [int(c) for c in a.cycles.split(",") if c] or [base.loop_max_cycle_tokens]
+    checks = {
+        c: loop_detection(_Job(), base.model_copy(update={"loop_max_cycle_tokens": c}))
+        for c in sizes
+    }
 
-    def params(on: bool, i: int) -> Any:
+    def params(cycle: int, i: int) -> Any:
         return SamplingParams(
             max_tokens=a.out_tokens,
             ignore_eos=True,
             temperature=1.0,
             seed=i,
-            **({"repetition_detection": check} if on else {}),
+            **({"repetition_detection": checks[cycle]} if cycle else {}),
         )
 
     warm = min(64, a.jobs)
-    llm.generate(prompts[:warm], [params(True, i) for i in range(warm)], use_tqdm=False)
+    for c in sizes:
+        llm.generate(prompts[:warm], [params(c, i) for i in range(warm)], use_tqdm=False)
     rows: list[dict[str, Any]] = []
+    sides = [0, *sizes]  # 0: no check
     for r in range(a.rounds):
-        for on in (False, True) if r % 2 == 0 else (True, False):
-            ps = [params(on, i) for i in range(a.jobs)]
+        for cycle in sides if r % 2 == 0 else sides[::-1]:
+            on = bool(cycle)
+            ps = [params(cycle, i) for i in range(a.jobs)]
             t = time.perf_counter()
             res = llm.generate(prompts, ps, use_tqdm=False)
             wall = time.perf_counter() - t
@@ -82,6 +93,7 @@ def main() -> None:
                 {
                     "round": r,
                     "loop_check": on,
+                    "max_cycle_tokens": cycle or None,
                     "jobs": a.jobs,
                     "wall_s": wall,
                     "jobs_per_s": a.jobs / wall,
@@ -93,22 +105,27 @@ def main() -> None:
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
-            meta = {"model": a.model, "engine_start_s": start_s, "check": str(check)}
+            meta = {"model": a.model, "engine_start_s": start_s,
+                    "checks": {c: str(k) for c, k in checks.items()}}  # fmt: skip
             (out / "loop-cost.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    print("| round | loop check | jobs/s | output tok/s | ended by the check |")
+    print("| round | longest cycle checked | jobs/s | output tok/s | ended by the check |")
     print("|---|---|---|---|---|")
     for x in rows:
         print(
-            f"| {x['round']} | {'on' if x['loop_check'] else 'off'} | {x['jobs_per_s']:.1f} | "
+            f"| {x['round']} | {x['max_cycle_tokens'] or 'off'} | {x['jobs_per_s']:.1f} | "
             f"{x['output_tok_per_s']:,.0f} | {x['ended_by_the_check']} |"
         )
-    on_t = sum(x["output_tokens"] for x in rows if x["loop_check"])
-    off_t = sum(x["output_tokens"] for x in rows if not x["loop_check"])
-    on_s = sum(x["wall_s"] for x in rows if x["loop_check"])
-    off_s = sum(x["wall_s"] for x in rows if not x["loop_check"])
-    print(f"throughput with the check: {off_s / on_s:.1%} of without")
-    if abs(on_t - off_t) > 0.01 * max(off_t, 1):
-        print(f"not equal work: {on_t} vs {off_t} output tokens", file=sys.stderr)
+    off = [x for x in rows if not x["loop_check"]]
+    off_t, off_s = sum(x["output_tokens"] for x in off), sum(x["wall_s"] for x in off)
+    unequal = False
+    for c in sizes:
+        on = [x for x in rows if x["max_cycle_tokens"] == c]
+        on_t, on_s = sum(x["output_tokens"] for x in on), sum(x["wall_s"] for x in on)
+        print(f"throughput with cycles up to {c} tokens checked: {off_s / on_s:.1%} of without")
+        if abs(on_t - off_t) > 0.01 * max(off_t, 1):
+            print(f"not equal work: {on_t} vs {off_t} output tokens ({c})", file=sys.stderr)
+            unequal = True
+    if unequal:
         sys.exit(1)
 
 
