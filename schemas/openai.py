@@ -160,6 +160,20 @@ class CompletionBody(BaseModel):
         return _first_refused(asks, self.model_extra)
 
 
+def _sampling(body: BaseModel) -> dict[str, Any]:
+    """The sampling fields a body set, as a chat job's: what it left out keeps the job's
+    defaults; ``stop`` as a list."""
+    out: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "n"):
+        if getattr(body, name, None) is not None:
+            out[name] = getattr(body, name)
+    if getattr(body, "logit_bias", None):
+        out["logit_bias"] = body.logit_bias  # type: ignore[attr-defined]
+    stop = getattr(body, "stop", None)
+    out["stop"] = [stop] if isinstance(stop, str) else (stop or [])
+    return out
+
+
 class _RequestLine(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -269,10 +283,8 @@ class ResponsesRequestInput(_RequestLine):
             json_object=fmt.get("type") == "json_object",
             metadata=b.metadata or {},
             unsupported=refused,
+            **_sampling(b),
         )  # fmt: skip
-        for name in ("temperature", "top_p"):
-            if getattr(b, name) is not None:
-                fields[name] = getattr(b, name)
         if INCLUDE_LOGPROBS in (b.include or []) or b.top_logprobs is not None:
             fields["logprobs"] = b.top_logprobs or 0
         return ChatJob.model_validate(fields)
@@ -286,7 +298,6 @@ class CompletionRequestInput(_RequestLine):
 
     def to_job(self, priority: int = 0) -> ChatJob:
         b = self.body
-        stop = [b.stop] if isinstance(b.stop, str) else (b.stop or [])
         refused = b.unsupported()
         fields: dict[str, Any] = dict(
             id=self.custom_id,
@@ -294,18 +305,10 @@ class CompletionRequestInput(_RequestLine):
             priority=priority,
             prompt=(b.text() or "?") if refused is None else "?",  # a refused line never runs
             max_tokens=b.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
-            stop=stop,
-            seed=b.seed,
             metadata=b.metadata or {},
             unsupported=refused,
+            **_sampling(b),
         )
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-            if getattr(b, name) is not None:
-                fields[name] = getattr(b, name)
-        if b.logit_bias:
-            fields["logit_bias"] = b.logit_bias
-        if b.n is not None:
-            fields["n"] = b.n
         if b.logprobs is not None:
             fields["logprobs"] = b.logprobs
         return ChatJob.model_validate(fields)
@@ -325,26 +328,17 @@ class BatchRequestInput(_RequestLine):
             if not isinstance(spec.get("schema"), dict):
                 raise ValueError("response_format.json_schema.schema must be a JSON Schema object")
             schema = spec["schema"]
-        stop = [b.stop] if isinstance(b.stop, str) else (b.stop or [])
         fields: dict[str, Any] = dict(
             id=self.custom_id,
             type="chat",
             priority=priority,
             messages=b.messages,
             max_tokens=b.max_completion_tokens or b.max_tokens,
-            stop=stop,
-            seed=b.seed,
             json_schema=schema,
             json_object=bool(b.response_format and b.response_format.type == "json_object"),
             metadata=b.metadata or {},
+            **_sampling(b),
         )
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-            if getattr(b, name) is not None:
-                fields[name] = getattr(b, name)
-        if b.logit_bias:
-            fields["logit_bias"] = b.logit_bias
-        if b.n is not None:
-            fields["n"] = b.n
         if b.logprobs:
             fields["logprobs"] = b.top_logprobs or 0
         fields["unsupported"] = b.unsupported()
