@@ -27,6 +27,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import time
 from typing import Literal
 
 from pydantic import BaseModel
@@ -135,8 +136,6 @@ def run_tests(code: str, tests: str, entry_point: str | None, settings: Settings
     problem = sandbox_problem()
     if problem is not None:
         raise RuntimeError(problem)
-    import time
-
     program = f"{code}\n\n{tests}\n"
     if entry_point:
         program += f"\ncheck({entry_point})\n"
