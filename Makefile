@@ -30,7 +30,7 @@ demo: setup
 	bash examples/demo.sh
 
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup  # two groups, tests/conftest.py says why
 
 # the unit layer alone: no Redis, no model, no worker (tests marked `unit`)
 test-fast: $(STAMP)
