@@ -30,7 +30,7 @@ demo: setup
 	bash examples/demo.sh
 
 test: setup
-	$(PY) -m pytest -n 2 --dist loadgroup  # two groups, tests/conftest.py says why
+	$(PY) -m pytest
 
 # the unit layer alone: no Redis, no model, no worker (tests marked `unit`)
 test-fast: $(STAMP)

@@ -352,26 +352,12 @@ def run_cli(
     )
 
 
-# Modules whose tests run vLLM in processes of their own without a worker (so not ``engine``):
-# they take the cores as the engine layer does
-RUNS_VLLM = frozenset({"test_engine_plugin"})
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each test in one layer: marked ``unit`` or ``engine`` where it says so, else
-    ``integration`` (a Redis, worker processes or the CLI).
-
-    ``make test`` runs two pytest processes (pytest-xdist, ``--dist loadgroup``), one per group:
-    ``vllm`` (every test that runs the real engine, one after another: two engines at once on
-    two cores would only slow each other, and the session's real worker starts once) and
-    ``queue`` (the rest, whose workers run the fake engine and mostly wait). The queue group's
-    waiting then overlaps the engine's computing."""
+    ``integration`` (a Redis, worker processes or the CLI)."""
     for item in items:
         if not any(item.get_closest_marker(m) for m in ("unit", "engine")):
             item.add_marker(pytest.mark.integration)
-        module = item.module.__name__.rpartition(".")[2] if item.module else ""
-        heavy = item.get_closest_marker("engine") or module in RUNS_VLLM
-        item.add_marker(pytest.mark.xdist_group("vllm" if heavy else "queue"))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
