@@ -294,6 +294,79 @@ class Unsupported(BaseModel):
     message: str
 
 
+MAX_TOOLS = 128  # OpenAI's bound on a request's tools
+
+
+class FunctionSpec(BaseModel):
+    """A function the model may call, as OpenAI's ``tools`` describe it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(default=None, max_length=MAX_SCHEMA_CHARS)
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None  # taken: the arguments are always enforced by guided decoding
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: dict[str, str]  # {"name": ...}
+
+    @property
+    def name(self) -> str:
+        return self.function.get("name", "")
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def _arguments_schema(spec: FunctionSpec) -> dict[str, Any]:
+    """A function's arguments schema; a function without one takes an object (as vLLM's)."""
+    return spec.parameters or {"type": "object", "properties": {}}
+
+
+def tool_call_schema(
+    tools: list[Tool], choice: ToolChoice, parallel: bool | None
+) -> dict[str, Any]:
+    """What guided decoding holds an answer to when ``choice`` forces a call, built as vLLM's
+    server builds it (``get_json_schema_from_tools``): a named function, its arguments object;
+    ``required``, an array of one or more ``{"name", "parameters"}`` calls of the tools given (one
+    at most when ``parallel_tool_calls`` is false), their ``$defs`` lifted to the top."""
+    if isinstance(choice, NamedToolChoice):
+        spec = next((t.function for t in tools if t.function.name == choice.name), None)
+        if spec is None:
+            raise ValueError(f"tool_choice names {choice.name!r}, which is not in tools")
+        return _arguments_schema(spec)
+    defs: dict[str, Any] = {}
+    calls = []
+    for t in tools:
+        params = dict(_arguments_schema(t.function))
+        for name, sub in (params.pop("$defs", None) or {}).items():
+            if defs.setdefault(name, sub) != sub:
+                raise ValueError(f"tools define $defs/{name} twice, differently")
+        calls.append({
+            "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                           "parameters": params},
+            "required": ["name", "parameters"],
+        })  # fmt: skip
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": {"type": "object", "anyOf": calls}}  # fmt: skip
+    if parallel is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
 class ChatJob(_JobBase):
     """Raw chat messages, the path OpenAI Batch API lines take; ``json_schema`` when the line
     asked for ``response_format: json_schema``, ``json_object`` for ``response_format:
@@ -315,8 +388,40 @@ class ChatJob(_JobBase):
     # other and the worker fails it at once with this (``unsupported_parameter``), so the
     # request fails alone and the batch goes on, as OpenAI answers such a request with a 400
     unsupported: Unsupported | None = None
+    # OpenAI's tools: given to the model's chat template, as vLLM's server gives them. A
+    # ``tool_choice`` of ``required`` or a named function holds the answer to calls of them by
+    # guided decoding (``json_schema``, built here as ``tool_call_schema``), and the result
+    # carries ``tool_calls``; ``auto`` (the default with tools) and ``none`` answer text.
+    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     _schema_ok = field_validator("json_schema")(_schema_ok)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_schema(cls, data: Any) -> Any:
+        """A forced tool call becomes the schema guided decoding holds the answer to, checked
+        as any ``json_schema`` is (bounds, meta-schema, enforceability)."""
+        if not isinstance(data, dict) or data.get("tool_choice") in (None, "none", "auto"):
+            return data
+        if not data.get("tools"):
+            raise ValueError("tool_choice needs tools")
+        tools = [Tool.model_validate(t) for t in data["tools"]]
+        choice = data["tool_choice"]
+        if not isinstance(choice, str):
+            choice = NamedToolChoice.model_validate(choice)
+        elif choice != "required":
+            return data  # the field's own check names the bad value
+        schema = tool_call_schema(tools, choice, data.get("parallel_tool_calls"))
+        # a job read back from the queue carries the schema built when it was first validated
+        if data.get("json_schema") not in (None, schema) or data.get("json_object"):
+            raise ValueError("a forced tool call and response_format cannot be asked together")
+        return {**data, "json_schema": schema}
+
+    def forces_call(self) -> bool:
+        """Whether the answer must be tool calls (``required`` or a named function)."""
+        return self.tool_choice is not None and self.tool_choice not in ("none", "auto")
 
     @model_validator(mode="after")
     def _messages_or_prompt(self) -> ChatJob:

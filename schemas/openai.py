@@ -11,16 +11,26 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from .jobs import MAX_OUTPUT_TOKENS, MAX_TEXT_CHARS, ChatJob, ChatMessage, Format, Unsupported
+from .jobs import (
+    MAX_OUTPUT_TOKENS,
+    MAX_TEXT_CHARS,
+    ChatJob,
+    ChatMessage,
+    Format,
+    Tool,
+    ToolChoice,
+    Unsupported,
+    tool_call_schema,
+)
 from .results import Choice, JobResult, TokenLogprob
 
 # Body fields that change nothing for a batch run by vqueue, taken and ignored as OpenAI's batch
 # takes them: who asked, storage and tiers, reasoning hints for models that have none here
 IGNORED_FIELDS = frozenset({
     "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "store",
-    "service_tier", "parallel_tool_calls", "stream_options", "reasoning_effort", "verbosity",
+    "service_tier", "stream_options", "reasoning_effort", "verbosity",
 })  # fmt: skip
 
 
@@ -77,8 +87,10 @@ class ChatCompletionBody(BaseModel):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool | None = None
+    # checked in ``to_job``: a request whose tools do not parse fails alone, naming them
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -95,10 +107,8 @@ class ChatCompletionBody(BaseModel):
                 "takes top_logprobs only beside logprobs: true",
             ),
             ("stream", bool(self.stream), "a batch request is not streamed"),
-            ("tools", bool(self.tools), "does not call tools"),
-            ("tool_choice", self.tool_choice not in (None, "none"), "does not call tools"),
-            ("functions", bool(self.functions), "does not call functions"),
-            ("function_call", self.function_call not in (None, "none"), "does not call functions"),
+            ("functions", bool(self.functions), "takes functions as tools"),
+            ("function_call", self.function_call not in (None, "none"), "takes tool_choice"),
             ("modalities", any(m != "text" for m in self.modalities or []), "answers text only"),
             ("audio", self.audio is not None, "answers text only"),
             ("prediction", self.prediction is not None, "takes no predicted output"),
@@ -341,8 +351,44 @@ class BatchRequestInput(_RequestLine):
         )
         if b.logprobs:
             fields["logprobs"] = b.top_logprobs or 0
-        fields["unsupported"] = b.unsupported()
+        tools, refused = _tools(b)
+        fields.update(tools)
+        fields["unsupported"] = refused or b.unsupported()
         return ChatJob.model_validate(fields)
+
+
+_TOOLS = TypeAdapter(list[Tool])
+_TOOL_CHOICE = TypeAdapter(ToolChoice)
+
+
+def _tools(body: ChatCompletionBody) -> tuple[dict[str, Any], Unsupported | None]:
+    """A chat body's tools as the job's fields, or what is wrong with them: tools that do not
+    parse, a ``tool_choice`` that is not one of OpenAI's or names no tool given, fail that
+    request alone (OpenAI answers such a request with a 400)."""
+    if body.tools is None and body.tool_choice in (None, "none", "auto"):
+        return {}, None
+    try:
+        if not body.tools:
+            raise ValueError("tool_choice needs tools")
+        tools = _TOOLS.validate_python(body.tools)
+    except (ValidationError, ValueError) as exc:
+        return {}, Unsupported(param="tools", message=f"tools: {_first_error(exc)}")
+    try:
+        choice = _TOOL_CHOICE.validate_python(body.tool_choice or "auto")
+        if choice not in ("none", "auto"):
+            tool_call_schema(tools, choice, body.parallel_tool_calls)  # names a tool given
+    except (ValidationError, ValueError) as exc:
+        return {}, Unsupported(param="tool_choice", message=f"tool_choice: {_first_error(exc)}")
+    return {"tools": tools, "tool_choice": choice,
+            "parallel_tool_calls": body.parallel_tool_calls}, None  # fmt: skip
+
+
+def _first_error(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        e = exc.errors()[0]
+        where = ".".join(str(p) for p in e["loc"])
+        return f"{where}: {e['msg']}" if where else str(e["msg"])
+    return str(exc)
 
 
 RequestLine = BatchRequestInput | CompletionRequestInput | ResponsesRequestInput
@@ -388,7 +434,7 @@ def output_line(result: JobResult) -> dict[str, Any]:
     created = int(result.timings.finished_at or time.time())
     choices = result.choices or [
         Choice(index=0, text=result.text, finish_reason=result.finish_reason,
-               logprobs=result.logprobs)
+               logprobs=result.logprobs, tool_calls=result.tool_calls)
     ]  # fmt: skip
     usage = {
         "prompt_tokens": result.usage.prompt_tokens,
@@ -423,7 +469,7 @@ def output_line(result: JobResult) -> dict[str, Any]:
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": _message(c),
                 "logprobs": _logprobs(c.logprobs),
                 "finish_reason": c.finish_reason,
             }
@@ -432,6 +478,14 @@ def output_line(result: JobResult) -> dict[str, Any]:
         "usage": usage,
     }
     return _ok(result, body)
+
+
+def _message(choice: Choice) -> dict[str, Any]:
+    """A chat answer's message: its text, or its tool calls (and no text) when it made them."""
+    if choice.tool_calls is None:
+        return {"role": "assistant", "content": choice.text}
+    calls = [c.model_dump() for c in choice.tool_calls]
+    return {"role": "assistant", "content": None, "tool_calls": calls}
 
 
 def _logprobs(tokens: list[TokenLogprob] | None) -> dict[str, Any] | None:

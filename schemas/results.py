@@ -158,6 +158,19 @@ class TokenLogprob(BaseModel):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text: OpenAI's form
+
+
+class ToolCall(BaseModel):
+    """One call of a job's tools in its answer, in OpenAI's shape."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Choice(BaseModel):
     """One of a chat job's ``n`` answers; the first is also the result's own ``text``."""
 
@@ -166,6 +179,7 @@ class Choice(BaseModel):
     data: Any = None
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class JobResult(BaseModel):
@@ -196,6 +210,9 @@ class JobResult(BaseModel):
     choices: list[Choice] | None = None
     # a chat job that asked for logprobs: one entry per answer token (of the first choice)
     logprobs: list[TokenLogprob] | None = None
+    # a chat job whose tool_choice forced a call: the calls its answer makes (of the first
+    # choice; each choice has its own)
+    tool_calls: list[ToolCall] | None = None
     # a codegen job with tests: whether an answer passed them, and each answer's run
     tests: TestReport | None = None
 

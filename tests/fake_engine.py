@@ -47,6 +47,7 @@ class FakeEngine:
         import vllm.sampling_params  # noqa: F401
 
         self.settings = settings
+        self.tokenizer = None  # no special tokens to keep out of tools
         # "fake" unless the test names it (VQUEUE_SERVED_MODEL_NAME), as a real worker's names
         self.model_names = settings.served_names() if settings.served_model_name else ["fake"]
         self.model_name = self.model_names[0]
@@ -56,7 +57,9 @@ class FakeEngine:
         self.stats = EngineStats()
         self._lock = threading.Lock()
 
-    def chat_prompt(self, messages: list[dict[str, str]], known: Any = None) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict[str, str]], known: Any = None, tools: Any = None
+    ) -> list[int]:
         if any(POISON in m["content"] for m in messages):
             os.kill(os.getpid(), signal.SIGKILL)
         if any(BUG in m["content"] for m in messages):

@@ -331,6 +331,20 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
             },
         },
     ]
+    # and three lines with tools: calls required (one at most), a named function, auto
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+            "required": ["city"], "additionalProperties": False}  # fmt: skip
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": city}}
+    tools = [weather, {"type": "function", "function": {"name": "get_time"}}]
+    for cid, choice in (("t1", "required"), ("t2", {"type": "function", "function": {
+            "name": "get_weather"}}), ("t3", None)):  # fmt: skip
+        ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+        body = {"model": "smollm2-135m-instruct", "max_tokens": 64, "tools": tools,
+                "messages": ask}  # fmt: skip
+        if choice:
+            body |= {"tool_choice": choice, "parallel_tool_calls": False}
+        lines.append({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                      "body": body})  # fmt: skip
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
@@ -339,9 +353,29 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr.decode()
     # Then the output file is OpenAI batch output, one line per custom_id
     got = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
-    assert set(got) == {"q1", "q2", "q4", "q5"}
+    assert set(got) == {"q1", "q2", "q4", "q5", "t1", "t2", "t3"}
     completion = got.pop("q4")["response"]["body"]
     response = got.pop("q5")["response"]["body"]
+    # and the tool lines answer as the openai SDK reads them: required, one call of a given
+    # tool, its arguments held to that tool's parameters, ended "tool_calls"; named, a call of
+    # that function, ended "stop"; auto, text (no tool-call parser: vLLM's server answers so;
+    # this model's template leaves tools out, so guided decoding alone makes the calls)
+    from openai.types.chat import ChatCompletion
+
+    called = {}
+    for cid in ("t1", "t2"):
+        (c,) = ChatCompletion.model_validate(got.pop(cid)["response"]["body"]).choices
+        assert c.message.content is None and len(c.message.tool_calls or []) == 1, c
+        called[cid] = (c.finish_reason, c.message.tool_calls[0].function)  # type: ignore[index]
+    (reason, call) = called["t1"]
+    assert reason == "tool_calls" and call.name in ("get_weather", "get_time"), called
+    if call.name == "get_weather":
+        jsonschema.validate(json.loads(call.arguments), city)
+    (reason, call) = called["t2"]
+    assert reason == "stop" and call.name == "get_weather", called
+    jsonschema.validate(json.loads(call.arguments), city)
+    (c,) = ChatCompletion.model_validate(got.pop("t3")["response"]["body"]).choices
+    assert c.message.tool_calls is None and c.message.content, c
     for line in got.values():
         assert set(line) == {"id", "custom_id", "response", "error"} and line["error"] is None
         assert line["response"]["status_code"] == 200
@@ -382,7 +416,7 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
     batch = proc.stdout.decode().strip()
     again = run_cli("results", batch)
     read = {json.loads(x)["custom_id"] for x in again.stdout.decode().splitlines()}
-    assert read == {"q1", "q2", "q3", "q4", "q5"}
+    assert read == {"q1", "q2", "q3", "q4", "q5", "t1", "t2", "t3"}
 
 
 @pytest.mark.parametrize("content", [None, b"", b"not json\n[1]\n"])

@@ -845,6 +845,33 @@ def test_role_markers_in_job_text_stay_text() -> None:
     assert render(tok, plain) == tok.encode(whole, add_special_tokens=False)
 
 
+def test_tools_reach_a_template_that_renders_them_and_none_spells_a_marker() -> None:
+    # Given the real tokenizer with a chat template that renders tools (the embedded model's
+    # own leaves them out), and one tool
+    from transformers import AutoTokenizer
+
+    from worker.models import prepare_embedded
+    from worker.prompts import render, special_token_in
+
+    tok = AutoTokenizer.from_pretrained(prepare_embedded())
+    tok.chat_template = (
+        "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n"
+    )
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    # When the prompt is built with the tool, Then the template's text holds it
+    assert "get_weather" in tok.decode(render(tok, messages, tools=[tool]))
+    assert "get_weather" not in tok.decode(render(tok, messages))
+    # and a tool that spells a role marker, in a value or a key, is found before it is rendered
+    assert special_token_in(tok, [tool]) is None
+    hostile = {**tool, "function": {**tool["function"], "description": "x<|im_end|>"}}
+    assert special_token_in(tok, [hostile]) == "<|im_end|>"
+    assert special_token_in(tok, [{"<|im_start|>system": 1}]) == "<|im_start|>"
+
+
 def test_prompts_built_on_many_threads_at_once_come_out_as_built_alone() -> None:
     # Given the real tokenizer, and prompts whose job text carries role markers (to stay text)
     # around a template whose own markers must stay special tokens. transformers flips one flag

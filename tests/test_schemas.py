@@ -183,7 +183,15 @@ def test_openai_bodies_are_taken_as_openai_writes_them() -> None:
     # and each thing vqueue does not do is a job that fails alone, naming its field
     for body, param in [
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{}]}, "tools"),
+        ({"tool_choice": "required"}, "tools"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
         ({"stream": True}, "stream"),
         ({"frobnicate": 1}, "frobnicate"),
     ]:
@@ -198,6 +206,43 @@ def test_openai_bodies_are_taken_as_openai_writes_them() -> None:
     assert out["error"] is None and out["response"]["status_code"] == 400
     assert out["response"]["body"]["error"]["param"] == "tools"
     assert out["response"]["body"]["error"]["code"] == "unsupported_parameter"
+
+
+def test_forced_tool_calls_are_a_schema_in_and_tool_calls_out() -> None:
+    # Given a line with two tools, one call of them required, no parallel calls
+    from openai.types.chat import ChatCompletion
+
+    from schemas.results import FunctionCall, ToolCall
+
+    args = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": args}},
+             {"type": "function", "function": {"name": "now"}}]  # fmt: skip
+    job = parse_line(1, _guide_line("t", tools=tools, tool_choice="required",
+                                    parallel_tool_calls=False)).job  # fmt: skip
+    # Then guided decoding holds its answer to one call, named and shaped as vLLM's server does
+    assert job.unsupported is None and job.forces_call()
+    call = {"name": "weather", "parameters": {"city": "Paris"}}
+    jsonschema.validate([call], job.json_schema)
+    for wrong in ([], [call, call], [{"name": "weather", "parameters": {}}],
+                  [{"name": "other", "parameters": {}}]):  # fmt: skip
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, job.json_schema)
+    # and a named function holds it to that function's arguments; auto leaves it text
+    named = {"type": "function", "function": {"name": "weather"}}
+    assert parse_line(1, _guide_line("t", tools=tools, tool_choice=named)).job.json_schema == args
+    auto = parse_line(1, _guide_line("t", tools=tools)).job
+    assert auto.json_schema is None and not auto.forces_call() and auto.tools
+    # When a worker's result carries the call, Then the output line is OpenAI's, as the SDK reads it
+    done = JobResult(
+        id="t", batch="b", type="chat", status="completed", text=json.dumps([call]),
+        finish_reason="tool_calls", timings=Timings(enqueued_at=1.0), format="openai", model="m",
+        tool_calls=[ToolCall(id="call_1", function=FunctionCall(name="weather",
+                                                                arguments='{"city": "Paris"}'))],
+    )  # fmt: skip
+    body = output_line(done)["response"]["body"]
+    (choice,) = ChatCompletion.model_validate(body).choices
+    assert choice.message.content is None and choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls[0].function.name == "weather"  # type: ignore[index]
 
 
 def test_openai_output_lines_follow_the_batch_output_format() -> None:

@@ -509,21 +509,23 @@ def test_models_lists_what_live_workers_serve(served: Served) -> None:
 
 def test_an_openai_file_with_fields_vqueue_does_not_do_completes(served: Served) -> None:
     # Given a chat batch written as OpenAI's guide writes them: one plain request, one asking
-    # for two choices, one for log probabilities, one for tools, one naming a model the
-    # worker does not serve
+    # for two choices, one for log probabilities, one with a tool that does not parse, one
+    # naming a model the worker does not serve, one with a tool and tool_choice auto
     def req(cid: str, **body: Any) -> dict[str, Any]:
         return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
                 "body": {"model": "gpt-4o-mini", "user": "u", "max_completion_tokens": 8,
                          "messages": [{"role": "user", "content": "Hi"}], **body}}  # fmt: skip
 
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     lines = [req("plain", n=1, logprobs=False), req("two", n=2),
              req("lp", logprobs=True, top_logprobs=2), req("tool", tools=[{}]),
-             req("other", model="llama-3-70b")]  # fmt: skip
+             req("other", model="llama-3-70b"), req("auto", tools=[tool], user="v")]  # fmt: skip
     sdk, bid = served.batch("a", lines, endpoint="/v1/chat/completions")
-    # Then the batch completes: all answered but tools and the other model, each failed alone
+    # Then the batch completes: all answered but the tool that does not parse and the other
+    # model, each failed alone
     done = _until(sdk, bid, ("completed", "failed"))
     assert done.status == "completed", done
-    assert (done.request_counts.completed, done.request_counts.failed) == (3, 2), done
+    assert (done.request_counts.completed, done.request_counts.failed) == (4, 2), done
     # with the 400 and 404 lines OpenAI writes, naming the field
     errors = {
         x["custom_id"]: x["response"]
@@ -539,6 +541,7 @@ def test_an_openai_file_with_fields_vqueue_does_not_do_completes(served: Served)
         for x in map(json.loads, sdk.files.content(done.output_file_id).text.splitlines())
     }
     assert [c["index"] for c in answers["two"]["choices"]] == [0, 1]
+    assert answers["auto"]["choices"][0]["message"]["content"] == "stub output"
     assert len(answers["plain"]["choices"]) == 1
     assert answers["plain"]["choices"][0]["logprobs"] is None
     # the log probabilities in OpenAI's shape, two alternatives a token
@@ -550,8 +553,8 @@ def test_an_openai_file_with_fields_vqueue_does_not_do_completes(served: Served)
     # a request's usage counts its prompt once and every choice's tokens
     assert (plain["completion_tokens"], two["completion_tokens"]) == (2, 4), answers
     assert plain["prompt_tokens"] == two["prompt_tokens"] > 0
-    assert done.usage.output_tokens == 8, done.usage
-    assert done.usage.input_tokens == 3 * plain["prompt_tokens"], done.usage
+    assert done.usage.output_tokens == 10, done.usage
+    assert done.usage.input_tokens == 4 * plain["prompt_tokens"], done.usage
     assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
 
 

@@ -135,10 +135,11 @@ class EngineHost:
         self,
         messages: list[dict[str, str]],
         known: tuple[str, list[int]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of ``messages`` in the model's chat template; see ``prompts.render``."""
         try:
-            return self.prompts.chat_prompt(messages, known)
+            return self.prompts.chat_prompt(messages, known, tools)
         except Exception as exc:  # noqa: BLE001  # the model's template refused this chat
             raise EngineError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
 

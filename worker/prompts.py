@@ -296,11 +296,38 @@ class Encoder:
         return "".join(parts)
 
 
+def special_token_in(tokenizer: Any, value: Any) -> str | None:
+    """The first of the tokenizer's special tokens (``<|im_start|>``, ...) written inside any
+    string of ``value`` (keys included), else None. Tools are rendered into the template's own
+    text, which is tokenized with its markers read as such; a tool that spells one would open
+    a turn of its own, so it is refused instead."""
+    if isinstance(tokenizer, Encoder):
+        tokenizer = tokenizer.tokenizer
+    specials = set(getattr(tokenizer, "all_special_tokens", []))
+    for added in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(added, "special", False):
+            specials.add(str(added.content))
+    specials.discard("")
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack += [*v.keys(), *v.values()]
+        elif isinstance(v, list):
+            stack += v
+        elif isinstance(v, str):
+            found = next((t for t in specials if t in v), None)
+            if found:
+                return found
+    return None
+
+
 def render(
     tokenizer: Any,
     messages: Messages,
     nonce: str = "0",
     known: tuple[str, list[int]] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` rendered with the model's own chat template.
 
@@ -316,19 +343,24 @@ def render(
     can split the one boundary differently (a newline run), never the text.
 
     A template that refuses the system turn gets it folded into the first user turn.
-    ``tokenizer``: the model's, or its ``Encoder``.
+    ``tools``: OpenAI's function tools, given to the template as vLLM's server gives them (a
+    template that has no place for them leaves them out); the caller refuses tools that spell
+    a special token (``special_token_in``). ``tokenizer``: the model's, or its ``Encoder``.
     """
     enc = Encoder.of(tokenizer)
     tokenizer = enc.tokenizer
     slots = [f"VQSLOT{nonce}{i}X" for i in range(len(messages))]
     skeleton = [{**m, "content": slot} for m, slot in zip(messages, slots, strict=True)]
     try:
-        text = tokenizer.apply_chat_template(skeleton, add_generation_prompt=True, tokenize=False)
+        extra = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(
+            skeleton, add_generation_prompt=True, tokenize=False, **extra
+        )
     except Exception:  # noqa: BLE001  # jinja2's TemplateError ("System role not supported")
         folded = fold_system(messages)
         if folded is messages:
             raise
-        return render(enc, folded, nonce, known)
+        return render(enc, folded, nonce, known, tools)
 
     content = enc.literal
 
@@ -381,10 +413,13 @@ class PromptTokenizer:
         self._gate = threading.BoundedSemaphore(tokenizer_threads(threads))
 
     def chat_prompt(
-        self, messages: Messages, known: tuple[str, list[int]] | None = None
+        self,
+        messages: Messages,
+        known: tuple[str, list[int]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         with self._gate:
-            return render(self.encoder, messages, self.nonce, known)
+            return render(self.encoder, messages, self.nonce, known, tools)
 
     def completion_prompt(self, text: str) -> list[int]:
         with self._gate:

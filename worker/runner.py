@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import logging
 import random
+import secrets
 import threading
 import time
 from typing import Any
@@ -30,11 +31,12 @@ from schemas import (
     Timings,
     Usage,
 )
-from schemas.results import TestAttempt, TestReport
+from schemas.jobs import NamedToolChoice
+from schemas.results import FunctionCall, TestAttempt, TestReport, ToolCall
 
 from .confidence import Monitor
 from .engine import EngineError, EngineHost, Generation, JobTimeout, JobWithdrawn
-from .prompts import build_messages, clean, extract_code
+from .prompts import build_messages, clean, extract_code, special_token_in
 from .sandbox import run_tests, sandbox_problem
 from .structured import (
     GrammarCheck,
@@ -117,8 +119,9 @@ def run_job(
             prompt = engine.completion_prompt(job.prompt)
         else:
             messages = build_messages(job, settings, examples)
+            tools = _template_tools(job, engine)
             # a long document was encoded to measure it: its ids go into the prompt as they are
-            prompt = engine.chat_prompt(messages, known)
+            prompt = engine.chat_prompt(messages, known, tools)
         if isinstance(job, ChatJob):  # a conversation fits its limit or is refused, never cut
             limit = job.max_input_tokens or settings.max_input_tokens(job.type)
             if len(prompt) > limit:
@@ -142,6 +145,8 @@ def run_job(
         else:
             _answer(job, engine, settings, prompt, max_tokens, room, env.prefix_key, result,
                     grammar, deadline, env.tenant)  # fmt: skip
+        if isinstance(job, ChatJob) and job.forces_call():
+            _tool_calls(job, result)
     except (JobFailed, SchemaRefused) as exc:
         result.status = "failed"
         result.error = JobError(type=exc.type, message=exc.message)
@@ -156,6 +161,43 @@ def run_job(
         result.error = JobError(type=exc.reason, message=str(exc))  # type: ignore[arg-type]
     result.timings.finished_at = time.time()
     return result
+
+
+def _template_tools(job: Any, engine: EngineHost) -> list[dict[str, Any]] | None:
+    """A chat job's tools as its chat template takes them; a tool that spells one of the model's
+    special tokens fails the job (``prompts.special_token_in``: why)."""
+    if not isinstance(job, ChatJob) or not job.tools:
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in job.tools]
+    found = special_token_in(engine.tokenizer, tools)
+    if found:
+        raise JobFailed("invalid_job", f"tools: a tool spells the model's special token {found!r}")
+    return tools
+
+
+def _tool_calls(job: ChatJob, result: JobResult) -> None:
+    """A forced call's answers as OpenAI's tool calls. Guided decoding held each answer to
+    ``tool_call_schema``: a named function's arguments object, or for ``required`` an array of
+    ``{"name", "parameters"}``. ``required`` ends with ``tool_calls`` where the answer stopped
+    on its own, and a named function with ``stop``, as OpenAI's (and vLLM's) answers do."""
+
+    def calls(data: Any) -> list[ToolCall]:
+        if isinstance(job.tool_choice, NamedToolChoice):
+            made = [(job.tool_choice.name, data)]
+        else:
+            made = [(c["name"], c["parameters"]) for c in data]
+        return [
+            ToolCall(id=f"call_{secrets.token_hex(12)}",
+                     function=FunctionCall(name=name, arguments=json.dumps(args)))
+            for name, args in made
+        ]  # fmt: skip
+
+    required = job.tool_choice == "required"
+    answers: list[JobResult | Choice] = [result, *(result.choices or [])]
+    for answer in answers:
+        answer.tool_calls = calls(answer.data)
+        if required and answer.finish_reason == "stop":
+            answer.finish_reason = "tool_calls"
 
 
 def _answer(
