@@ -481,11 +481,12 @@ def output_line(result: JobResult) -> dict[str, Any]:
 
 
 def _message(choice: Choice) -> dict[str, Any]:
-    """A chat answer's message: its text, or its tool calls (and no text) when it made them."""
+    """A chat answer's message: its text, and its tool calls when it made any (a forced call's
+    answer has no text: ``content`` null, as OpenAI's)."""
     if choice.tool_calls is None:
         return {"role": "assistant", "content": choice.text}
     calls = [c.model_dump() for c in choice.tool_calls]
-    return {"role": "assistant", "content": None, "tool_calls": calls}
+    return {"role": "assistant", "content": choice.text or None, "tool_calls": calls}
 
 
 def _logprobs(tokens: list[TokenLogprob] | None) -> dict[str, Any] | None:

@@ -71,6 +71,9 @@ class Settings(BaseSettings):
     # the names requests may give this model, comma-separated, as vLLM's --served-model-name:
     # the first is the one results report; unset, the model itself (``served_names``)
     served_model_name: str | None = None
+    # vLLM's tool-call parser for chat jobs with tools and tool_choice auto (its
+    # --tool-call-parser: hermes, llama3_json, mistral, ...); unset, such answers stay text
+    tool_call_parser: str | None = None
     max_model_len: int = 4096
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     # KV cache size in bytes; overrides gpu_memory_utilization (on CPU it is what to set)

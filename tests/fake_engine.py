@@ -48,6 +48,7 @@ class FakeEngine:
 
         self.settings = settings
         self.tokenizer = None  # no special tokens to keep out of tools
+        self.tool_calls = None  # no tool-call parser
         # "fake" unless the test names it (VQUEUE_SERVED_MODEL_NAME), as a real worker's names
         self.model_names = settings.served_names() if settings.served_model_name else ["fake"]
         self.model_name = self.model_names[0]

@@ -872,6 +872,40 @@ def test_tools_reach_a_template_that_renders_them_and_none_spells_a_marker() -> 
     assert special_token_in(tok, [{"<|im_start|>system": 1}]) == "<|im_start|>"
 
 
+def test_tool_calls_a_model_writes_are_read_by_vllms_parser() -> None:
+    # Given vLLM's Hermes parser (VQUEUE_TOOL_CALL_PARSER=hermes) on the real tokenizer, and a
+    # chat job with a tool and tool_choice auto whose answer wrote a call in Hermes' syntax
+    from transformers import AutoTokenizer
+
+    from schemas import ChatJob, JobResult, Timings
+    from worker.models import prepare_embedded
+    from worker.runner import _written_tool_calls
+    from worker.structured import ToolCallReader
+    from worker.vllm_ext.configure import ConfigError
+
+    tok = AutoTokenizer.from_pretrained(prepare_embedded())
+    reader = ToolCallReader("hermes", tok)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+    job = ChatJob.model_validate({"type": "chat", "tools": [tool],
+                                  "messages": [{"role": "user", "content": "Paris?"}]})  # fmt: skip
+    call_text = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    written = f"Let me look.<tool_call>\n{call_text}\n</tool_call>"
+    result = JobResult(id="t", batch="b", type="chat", status="completed", text=written,
+                       finish_reason="stop", timings=Timings(enqueued_at=0))  # fmt: skip
+    # When the worker reads it back
+    _written_tool_calls(job, reader, result)
+    # Then the call is OpenAI's tool call, the text before it the content, ended "tool_calls"
+    (call,) = result.tool_calls or []
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather", {"city": "Paris"})  # fmt: skip
+    assert result.text == "Let me look." and result.finish_reason == "tool_calls"
+    # and an answer without a call stays text; a parser vLLM does not have stops the worker
+    assert reader.read("Sunny.", [tool]) == ("Sunny.", [])
+    with pytest.raises(ConfigError, match="no such tool-call parser"):
+        ToolCallReader("no-such-parser", tok)
+
+
 def test_prompts_built_on_many_threads_at_once_come_out_as_built_alone() -> None:
     # Given the real tokenizer, and prompts whose job text carries role markers (to stay text)
     # around a template whose own markers must stay special tokens. transformers flips one flag

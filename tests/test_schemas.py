@@ -234,7 +234,7 @@ def test_forced_tool_calls_are_a_schema_in_and_tool_calls_out() -> None:
     assert auto.json_schema is None and not auto.forces_call() and auto.tools
     # When a worker's result carries the call, Then the output line is OpenAI's, as the SDK reads it
     done = JobResult(
-        id="t", batch="b", type="chat", status="completed", text=json.dumps([call]),
+        id="t", batch="b", type="chat", status="completed", data=[call],
         finish_reason="tool_calls", timings=Timings(enqueued_at=1.0), format="openai", model="m",
         tool_calls=[ToolCall(id="call_1", function=FunctionCall(name="weather",
                                                                 arguments='{"city": "Paris"}'))],

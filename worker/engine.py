@@ -43,6 +43,7 @@ from .frontend import (
 from .metrics import EngineStats
 from .models import resolve_model
 from .prompts import PromptTokenizer
+from .structured import ToolCallReader
 from .vllm_ext.compat import Plan
 from .vllm_ext.configure import (
     IN_ENGINE_MONITOR,
@@ -129,6 +130,12 @@ class EngineHost:
         # logprob early stop: the monitor in the engine reports to this board (worker/confidence)
         in_engine = self.plan is not None and self.plan.monitor in IN_ENGINE_MONITOR
         self.board = ConfidenceBoard() if in_engine else None
+        # tool calls in a model's own syntax, read back when the operator names vLLM's parser
+        self.tool_calls = (
+            ToolCallReader(settings.tool_call_parser, self.tokenizer)
+            if settings.tool_call_parser
+            else None
+        )
         self.marker = marker_token(self.tokenizer) if self.board else -1
 
     def chat_prompt(

@@ -42,6 +42,7 @@ from .structured import (
     GrammarCheck,
     SchemaRefused,
     Templates,
+    ToolCallReader,
     apply_template,
     generation_schema,
     schema_token_budget,
@@ -147,6 +148,10 @@ def run_job(
                     grammar, deadline, env.tenant)  # fmt: skip
         if isinstance(job, ChatJob) and job.forces_call():
             _tool_calls(job, result)
+        elif isinstance(job, ChatJob) and job.tools and job.tool_choice != "none":
+            reader = engine.tool_calls
+            if reader is not None:
+                _written_tool_calls(job, reader, result)
     except (JobFailed, SchemaRefused) as exc:
         result.status = "failed"
         result.error = JobError(type=exc.type, message=exc.message)
@@ -196,7 +201,27 @@ def _tool_calls(job: ChatJob, result: JobResult) -> None:
     answers: list[JobResult | Choice] = [result, *(result.choices or [])]
     for answer in answers:
         answer.tool_calls = calls(answer.data)
+        answer.text = None  # the calls are the answer (``data`` keeps them as parsed)
         if required and answer.finish_reason == "stop":
+            answer.finish_reason = "tool_calls"
+
+
+def _written_tool_calls(job: ChatJob, reader: ToolCallReader, result: JobResult) -> None:
+    """``tool_choice`` auto: the calls each answer wrote in the model's own syntax, read by
+    vLLM's parser; an answer that made any keeps the text before them and ends ``tool_calls``."""
+    tools = [t.model_dump(exclude_none=True) for t in job.tools or []]
+    answers: list[JobResult | Choice] = [result, *(result.choices or [])]
+    for answer in answers:
+        text, made = reader.read(answer.text or "", tools)
+        if not made:
+            continue
+        answer.text = text
+        answer.tool_calls = [
+            ToolCall(id=f"call_{secrets.token_hex(12)}",
+                     function=FunctionCall(name=name, arguments=args))
+            for name, args in made
+        ]  # fmt: skip
+        if answer.finish_reason == "stop":
             answer.finish_reason = "tool_calls"
 
 

@@ -266,3 +266,50 @@ def apply_template(
     if job.instruction is None:
         updates["instruction"] = template.instruction
     return job.model_copy(update=updates), list(template.examples)
+
+
+# -- tool calls the model writes itself ----------------------------------------------------------
+class ToolCallReader:
+    """vLLM's tool-call parser (``Settings.tool_call_parser``, vLLM's ``--tool-call-parser``) for
+    answers to chat jobs whose ``tool_choice`` is ``auto``: the calls a model writes in its own
+    syntax (Hermes' ``<tool_call>{...}</tool_call>``, Llama's JSON, Mistral's ``[TOOL_CALLS]``)
+    come back as OpenAI's tool calls, as ``vllm serve --enable-auto-tool-choice`` returns them.
+
+    Through vLLM's parser registry (``vllm.tool_parsers.ToolParserManager``, the one its
+    ``--tool-parser-plugin`` extends) and ``extract_tool_calls(text, ChatCompletionRequest)``:
+    run on vLLM 0.32; 0.26 has both at the paths imported here and the same Hermes parser
+    (docs/vllm-compat.md). A vLLM without them stops the worker at start (``ConfigError``), as
+    an unknown parser name does."""
+
+    def __init__(self, name: str, tokenizer: Any) -> None:
+        from .vllm_ext.configure import ConfigError
+
+        try:
+            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+            from vllm.tool_parsers import ToolParserManager
+        except ImportError as exc:
+            raise ConfigError(
+                f"VQUEUE_TOOL_CALL_PARSER={name}: this vLLM has no tool-call parsers where "
+                f"vqueue looks for them (verified on 0.26 and 0.32): {exc}"
+            ) from None
+        try:
+            self._parser = ToolParserManager.get_tool_parser(name)
+        except Exception:  # noqa: BLE001  # vLLM raises KeyError or its own for an unknown name
+            raise ConfigError(f"VQUEUE_TOOL_CALL_PARSER={name}: vLLM has no such tool-call "
+                              "parser") from None  # fmt: skip
+        self._request = ChatCompletionRequest
+        self.name, self.tokenizer = name, tokenizer
+
+    def read(self, text: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[Any]]:
+        """The answer's text before its calls (None when there is none), and its calls as
+        ``(name, arguments JSON)`` pairs; no calls: the whole text, and an empty list."""
+        request = self._request(
+            model="vqueue", messages=[{"role": "user", "content": ""}], tools=tools,
+            tool_choice="auto",
+        )  # fmt: skip
+        parser = self._parser(self.tokenizer, tools=request.tools)  # type: ignore[arg-type]
+        info = parser.extract_tool_calls(text, request)
+        if not info.tools_called:
+            return text, []
+        calls = [(c.function.name, c.function.arguments) for c in info.tool_calls]
+        return info.content, calls
