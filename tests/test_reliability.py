@@ -879,7 +879,7 @@ def test_tool_calls_a_model_writes_are_read_by_vllms_parser() -> None:
 
     from schemas import ChatJob, JobResult, Timings
     from worker.models import prepare_embedded
-    from worker.runner import _written_tool_calls
+    from worker.runner import _tool_calls
     from worker.structured import ToolCallReader
     from worker.vllm_ext.configure import ConfigError
 
@@ -894,7 +894,7 @@ def test_tool_calls_a_model_writes_are_read_by_vllms_parser() -> None:
     result = JobResult(id="t", batch="b", type="chat", status="completed", text=written,
                        finish_reason="stop", timings=Timings(enqueued_at=0))  # fmt: skip
     # When the worker reads it back
-    _written_tool_calls(job, reader, result)
+    _tool_calls(job, reader, result)
     # Then the call is OpenAI's tool call, the text before it the content, ended "tool_calls"
     (call,) = result.tool_calls or []
     assert (call.function.name, json.loads(call.function.arguments)) == (

@@ -146,12 +146,10 @@ def run_job(
         else:
             _answer(job, engine, settings, prompt, max_tokens, room, env.prefix_key, result,
                     grammar, deadline, env.tenant)  # fmt: skip
-        if isinstance(job, ChatJob) and job.forces_call():
-            _tool_calls(job, result)
-        elif isinstance(job, ChatJob) and job.tools and job.tool_choice != "none":
-            reader = engine.tool_calls
-            if reader is not None:
-                _written_tool_calls(job, reader, result)
+        if isinstance(job, ChatJob) and (
+            job.forces_call() or (job.tools and job.tool_choice != "none" and engine.tool_calls)
+        ):
+            _tool_calls(job, engine.tool_calls, result)
     except (JobFailed, SchemaRefused) as exc:
         result.status = "failed"
         result.error = JobError(type=exc.type, message=exc.message)
@@ -180,39 +178,25 @@ def _template_tools(job: Any, engine: EngineHost) -> list[dict[str, Any]] | None
     return tools
 
 
-def _tool_calls(job: ChatJob, result: JobResult) -> None:
-    """A forced call's answers as OpenAI's tool calls. Guided decoding held each answer to
-    ``tool_call_schema``: a named function's arguments object, or for ``required`` an array of
-    ``{"name", "parameters"}``. ``required`` ends with ``tool_calls`` where the answer stopped
-    on its own, and a named function with ``stop``, as OpenAI's (and vLLM's) answers do."""
-
-    def calls(data: Any) -> list[ToolCall]:
-        if isinstance(job.tool_choice, NamedToolChoice):
-            made = [(job.tool_choice.name, data)]
-        else:
-            made = [(c["name"], c["parameters"]) for c in data]
-        return [
-            ToolCall(id=f"call_{secrets.token_hex(12)}",
-                     function=FunctionCall(name=name, arguments=json.dumps(args)))
-            for name, args in made
-        ]  # fmt: skip
-
-    required = job.tool_choice == "required"
-    answers: list[JobResult | Choice] = [result, *(result.choices or [])]
-    for answer in answers:
-        answer.tool_calls = calls(answer.data)
-        answer.text = None  # the calls are the answer (``data`` keeps them as parsed)
-        if required and answer.finish_reason == "stop":
-            answer.finish_reason = "tool_calls"
-
-
-def _written_tool_calls(job: ChatJob, reader: ToolCallReader, result: JobResult) -> None:
-    """``tool_choice`` auto: the calls each answer wrote in the model's own syntax, read by
-    vLLM's parser; an answer that made any keeps the text before them and ends ``tool_calls``."""
+def _tool_calls(job: ChatJob, reader: ToolCallReader | None, result: JobResult) -> None:
+    """Each answer's tool calls, in OpenAI's shape. A forced call's answer is the calls: guided
+    decoding held it to ``tool_call_schema`` (a named function's arguments object, or for
+    ``required`` an array of ``{"name", "parameters"}``), and it keeps no text. Under ``auto``,
+    vLLM's parser (``reader``) finds the calls the answer wrote in the model's own syntax, and
+    the text before them stays. ``required`` and ``auto`` end ``tool_calls`` where the answer
+    stopped on its own, a named function ``stop``, as OpenAI's (and vLLM's) answers do."""
+    named = isinstance(job.tool_choice, NamedToolChoice)
     tools = [t.model_dump(exclude_none=True) for t in job.tools or []]
     answers: list[JobResult | Choice] = [result, *(result.choices or [])]
     for answer in answers:
-        text, made = reader.read(answer.text or "", tools)
+        text: str | None
+        if not job.forces_call():
+            assert reader is not None
+            text, made = reader.read(answer.text or "", tools)
+        elif isinstance(job.tool_choice, NamedToolChoice):
+            text, made = None, [(job.tool_choice.name, json.dumps(answer.data))]
+        else:
+            text, made = None, [(c["name"], json.dumps(c["parameters"])) for c in answer.data]
         if not made:
             continue
         answer.text = text
@@ -221,7 +205,7 @@ def _written_tool_calls(job: ChatJob, reader: ToolCallReader, result: JobResult)
                      function=FunctionCall(name=name, arguments=args))
             for name, args in made
         ]  # fmt: skip
-        if answer.finish_reason == "stop":
+        if not named and answer.finish_reason == "stop":
             answer.finish_reason = "tool_calls"
 
 
