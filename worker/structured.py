@@ -276,10 +276,9 @@ class ToolCallReader:
     come back as OpenAI's tool calls, as ``vllm serve --enable-auto-tool-choice`` returns them.
 
     Through vLLM's parser registry (``vllm.tool_parsers.ToolParserManager``, the one its
-    ``--tool-parser-plugin`` extends) and ``extract_tool_calls(text, ChatCompletionRequest)``:
-    run on vLLM 0.32; 0.26 has both at the paths imported here and the same Hermes parser
-    (docs/vllm-compat.md). A vLLM without them stops the worker at start (``ConfigError``), as
-    an unknown parser name does."""
+    ``--tool-parser-plugin`` extends) and ``extract_tool_calls(text, ChatCompletionRequest)``,
+    verified on vLLM 0.26 and 0.32 (docs/vllm-compat.md). A vLLM without them stops the worker
+    at start (``ConfigError``), as an unknown parser name does."""
 
     def __init__(self, name: str, tokenizer: Any) -> None:
         from .vllm_ext.configure import ConfigError
