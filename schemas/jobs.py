@@ -35,6 +35,7 @@ MAX_SCHEMA_DEPTH = 32  # grammar compilation recurses; deeper schemas are reject
 MAX_OUTPUT_TOKENS = 32_768  # above any max_model_len we configure by default
 MAX_CHOICES = 128  # a chat job's n, OpenAI's own bound
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_TOOLS = 128  # OpenAI's bound on a request's tools
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"  # extraction template names
 # Batch ids become Redis keys and the first half of Celery task ids (``batch:job``): no ``:``,
 # no spaces or globs, so ``V:done`` can never name another batch's key.
@@ -55,13 +56,35 @@ def new_job_id() -> str:
     return uuid.uuid4().hex
 
 
-class ChatMessage(BaseModel):
-    """One OpenAI-style chat message; only plain-text content is accepted."""
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made, as OpenAI's conversations carry it."""
 
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: dict[str, str]  # {"name": ..., "arguments": a JSON object as text}
+
+
+class ChatMessage(BaseModel):
+    """One OpenAI-style chat message of plain-text content: a system, user or assistant turn, an
+    assistant turn's ``tool_calls`` (its content may be null), or a ``tool`` turn answering one
+    (``tool_call_id``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool"]
     content: str = Field(max_length=MAX_TEXT_CHARS)
+    tool_calls: list[MessageToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, max_length=256)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_content(cls, data: Any) -> Any:
+        """An assistant turn that only called tools has ``content: null`` in OpenAI's form."""
+        if isinstance(data, dict) and data.get("content") is None and data.get("tool_calls"):
+            return {**data, "content": ""}
+        return data
 
 
 class EarlyStopOverride(BaseModel):
@@ -292,9 +315,6 @@ class CodegenJob(_JobBase):
 class Unsupported(BaseModel):
     param: str  # the body's field, as OpenAI names it
     message: str
-
-
-MAX_TOOLS = 128  # OpenAI's bound on a request's tools
 
 
 class FunctionSpec(BaseModel):

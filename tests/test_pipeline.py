@@ -345,6 +345,15 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
             body |= {"tool_choice": choice, "parallel_tool_calls": False}
         lines.append({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
                       "body": body})  # fmt: skip
+    # and one that goes on after a call: the call, the tool's answer, then the model's turn
+    made = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    history = [{"role": "user", "content": "What is the weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [made]},
+               {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21C."}]  # fmt: skip
+    lines.append({"custom_id": "t4", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "smollm2-135m-instruct", "max_tokens": 24, "tools": tools,
+                           "messages": history}})  # fmt: skip
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
@@ -353,7 +362,7 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr.decode()
     # Then the output file is OpenAI batch output, one line per custom_id
     got = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
-    assert set(got) == {"q1", "q2", "q4", "q5", "t1", "t2", "t3"}
+    assert set(got) == {"q1", "q2", "q4", "q5", "t1", "t2", "t3", "t4"}
     completion = got.pop("q4")["response"]["body"]
     response = got.pop("q5")["response"]["body"]
     # and the tool lines answer as the openai SDK reads them: required, one call of a given
@@ -374,8 +383,9 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
     (reason, call) = called["t2"]
     assert reason == "stop" and call.name == "get_weather", called
     jsonschema.validate(json.loads(call.arguments), city)
-    (c,) = ChatCompletion.model_validate(got.pop("t3")["response"]["body"]).choices
-    assert c.message.tool_calls is None and c.message.content, c
+    for cid in ("t3", "t4"):
+        (c,) = ChatCompletion.model_validate(got.pop(cid)["response"]["body"]).choices
+        assert c.message.tool_calls is None and c.message.content, c
     for line in got.values():
         assert set(line) == {"id", "custom_id", "response", "error"} and line["error"] is None
         assert line["response"]["status_code"] == 200
@@ -416,7 +426,7 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
     batch = proc.stdout.decode().strip()
     again = run_cli("results", batch)
     read = {json.loads(x)["custom_id"] for x in again.stdout.decode().splitlines()}
-    assert read == {"q1", "q2", "q3", "q4", "q5", "t1", "t2", "t3"}
+    assert read == {"q1", "q2", "q3", "q4", "q5", "t1", "t2", "t3", "t4"}
 
 
 @pytest.mark.parametrize("content", [None, b"", b"not json\n[1]\n"])

@@ -13,9 +13,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from schemas import ChatJob, CodegenJob, ExtractJob, Settings, SummarizeJob
+from schemas import ChatJob, ChatMessage, CodegenJob, ExtractJob, Settings, SummarizeJob
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 
 
 def build_messages(
@@ -30,7 +30,7 @@ def build_messages(
     the instruction and schema open the first, each later turn is only "Text: ...", and the
     job's own text is the last such turn. All of it but that last turn is a shared prefix."""
     if isinstance(job, ChatJob):
-        messages = [m.model_dump() for m in job.messages]
+        messages = [_turn(m) for m in job.messages]
         if job.system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": job.system})
         return messages
@@ -173,6 +173,18 @@ def extract_code(text: str) -> str:
     no fence at all means the whole answer is code."""
     m = _FENCE.search(text)
     return (m.group(1) if m else text).strip("\n")
+
+
+def _turn(message: ChatMessage) -> dict[str, Any]:
+    """A chat message as chat templates take it: an earlier call's arguments as an object, not
+    the JSON text OpenAI sends (vLLM's server converts them the same way), where they parse."""
+    turn = message.model_dump(exclude_none=True)
+    for call in turn.get("tool_calls", []):
+        try:
+            call["function"]["arguments"] = json.loads(call["function"].get("arguments", ""))
+        except ValueError:
+            pass  # left as the text it is
+    return turn
 
 
 def fold_system(messages: Messages) -> Messages:
@@ -349,7 +361,9 @@ def render(
     """
     enc = Encoder.of(tokenizer)
     tokenizer = enc.tokenizer
-    slots = [f"VQSLOT{nonce}{i}X" for i in range(len(messages))]
+    # an empty content stays empty, as the template would see it (an assistant turn that only
+    # called tools is rendered without a content line)
+    slots = [f"VQSLOT{nonce}{i}X" if m["content"] else "" for i, m in enumerate(messages)]
     skeleton = [{**m, "content": slot} for m, slot in zip(messages, slots, strict=True)]
     try:
         extra = {"tools": tools} if tools else {}
@@ -371,6 +385,8 @@ def render(
     ids: list[int] = []
     pos = 0
     for i, (m, slot) in enumerate(zip(messages, slots, strict=True)):
+        if not slot:
+            continue
         at = text.find(slot, pos)
         if at < 0:  # a template that rewrites content: refuse rather than mis-tokenize
             raise ValueError("the chat template altered a message; cannot build the prompt")

@@ -167,15 +167,20 @@ def run_job(
 
 
 def _template_tools(job: Any, engine: EngineHost) -> list[dict[str, Any]] | None:
-    """A chat job's tools as its chat template takes them; a tool that spells one of the model's
-    special tokens fails the job (``prompts.special_token_in``: why)."""
-    if not isinstance(job, ChatJob) or not job.tools:
+    """A chat job's tools as its chat template takes them. A tool, or an earlier turn's tool
+    call, that spells one of the model's special tokens fails the job: the template writes
+    both into its own text (``prompts.special_token_in``: why)."""
+    if not isinstance(job, ChatJob):
         return None
-    tools = [t.model_dump(exclude_none=True) for t in job.tools]
-    found = special_token_in(engine.tokenizer, tools)
+    tools = [t.model_dump(exclude_none=True) for t in job.tools or []]
+    calls = [c.model_dump() for m in job.messages for c in m.tool_calls or []]
+    if not tools and not calls:
+        return None
+    found = special_token_in(engine.tokenizer, [tools, calls])
     if found:
-        raise JobFailed("invalid_job", f"tools: a tool spells the model's special token {found!r}")
-    return tools
+        raise JobFailed("invalid_job", f"tools: a tool or tool call spells the model's special "
+                        f"token {found!r}")  # fmt: skip
+    return tools or None
 
 
 def _tool_calls(job: ChatJob, reader: ToolCallReader | None, result: JobResult) -> None:
