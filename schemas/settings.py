@@ -149,10 +149,6 @@ class Settings(BaseSettings):
     # urgent jobs one worker takes in beyond its share (its urgent intake process's slots); 0:
     # no urgent intake process, an urgent job waits for a slot to free (docs/architecture.md)
     urgent_concurrency: int = Field(default=16, ge=0, le=1024)
-    # each intake process is one of vLLM's own AsyncLLM clients of the engine core, as
-    # `vllm serve --api-server-count N` runs them, instead of reaching it through vqueue's
-    # frontend process (docs/architecture.md compares the two); vLLM 0.26 and 0.32 only
-    engine_clients: bool = False
     # set by a worker for its other intake processes (internal): its frontend's socket and key,
     # its name, and its pid (they exit when it is gone)
     frontend: str = ""

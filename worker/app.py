@@ -32,8 +32,6 @@ from protocol.store import refused_for_memory
 from protocol.wire import PRIORITY_SEP, PRIORITY_STEPS, task_name
 from schemas import JOB_TYPES, Settings, get_settings
 
-from .vllm_ext.launch import CLIENTS
-
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -357,8 +355,6 @@ class Intakes:
             VQUEUE_INTAKE_PROCESSES=str(count),
             VQUEUE_METRICS_PORT="0",  # the engine's metrics are the first process's
         )
-        # with vLLM's own clients (``Settings.engine_clients``): how many the engine core serves
-        self.clients = int(frontend.rsplit(":", 1)[1]) if frontend.startswith(CLIENTS) else 0
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.stopping = threading.Event()
         self._lock = threading.Lock()  # no start once stopping
@@ -380,9 +376,6 @@ class Intakes:
             "--without-mingle", "--without-gossip",
         ]  # fmt: skip
         env = dict(self.env, VQUEUE_CONCURRENCY=str(slots))
-        if self.clients:  # one of vLLM's clients: its index among them, the urgent one last
-            index = self.clients - 1 if i == URGENT else i
-            env["VQUEUE_FRONTEND"] = f"{env['VQUEUE_FRONTEND']}:{index}"
         with self._lock:
             if self.stopping.is_set():
                 return
@@ -402,9 +395,6 @@ class Intakes:
                     "timeout; starting it again", intake_name(self.worker.hostname, i),
                     proc.returncode,
                 )  # fmt: skip
-                if self.clients:  # vLLM's engine core takes its clients at start only
-                    log.error("an engine client is gone; exiting %d", EXIT_ENGINE)
-                    os._exit(EXIT_ENGINE)
                 from . import metrics
 
                 metrics.process_gone(proc.pid)
@@ -444,15 +434,13 @@ state = _WorkerState()
 
 
 def remove_stale_files(directories: tuple[str, ...] = ("/dev/shm", tempfile.gettempdir())) -> int:
-    """Remove what processes that are gone left behind: frontend and engine-client sockets and
-    confidence boards are named ``vqueue-<kind>-<pid>-...`` after the process that made them,
-    and one killed (``kill -9``, the OOM killer) never removes its own. Returns how many were
-    removed."""
+    """Remove what processes that are gone left behind: frontend sockets and confidence boards
+    are named ``vqueue-<kind>-<pid>-...`` after the process that made them, and one killed
+    (``kill -9``, the OOM killer) never removes its own. Returns how many were removed."""
     removed = 0
     for directory in directories:
         for path in glob.glob(os.path.join(directory, "vqueue-*-*-*")):
-            name = os.path.basename(path)
-            match = re.fullmatch(r"vqueue-(?:frontend|confidence|engine)-(\d+)-.*", name)
+            match = re.fullmatch(r"vqueue-(?:frontend|confidence)-(\d+)-.*", os.path.basename(path))
             if match is None:
                 continue
             try:

@@ -33,7 +33,6 @@ from .confidence import (
     request_args,
 )
 from .frontend import (
-    EngineClient,
     EngineDead,
     EngineError,
     FrontendLink,
@@ -53,7 +52,6 @@ from .vllm_ext.configure import (
     gpu_count,
     has_cuda,
 )
-from .vllm_ext.launch import CLIENTS, new_base
 
 log = logging.getLogger(__name__)
 
@@ -113,22 +111,11 @@ class EngineHost:
         self.started_at = time.time()
         self._nonce = os.urandom(4).hex()
         self.stats: EngineStats | None = EngineStats()
-        self.frontend: FrontendLink | EngineClient
-        if settings.frontend.startswith(CLIENTS):  # an intake process, one of vLLM's clients
-            path, n, i = settings.frontend[len(CLIENTS) :].rsplit(":", 2)
-            self.frontend = EngineClient(settings, self.model_path, int(i), int(n), path)
-            self.stats = None  # the engine's numbers are reported once, by the first process
-        elif settings.frontend:  # an intake process: the engine is the first process's
+        self.frontend: FrontendLink
+        if settings.frontend:  # an intake process: the engine is the first process's
             address, _, key = settings.frontend.rpartition("#")
             self.frontend = connect(address, bytes.fromhex(key))
             self.stats = None  # the engine's numbers are reported once, by that process
-        elif settings.engine_clients:
-            base = str(listen[0]) if listen is not None else None
-            count = int(listen[1]) if listen is not None else 1
-            self.frontend = EngineClient(
-                settings, self.model_path, 0, count, base, on_stats=self.stats.apply
-            )
-            metrics.forward_engine_metrics(self.frontend.metrics_text)
         else:
             self.frontend = FrontendProcess(settings, self.model_path, self.stats.apply, listen)
             metrics.forward_engine_metrics(self.frontend.metrics_text)
@@ -328,24 +315,17 @@ class EngineHost:
         return None
 
     @staticmethod
-    def listen_address(settings: Settings) -> tuple[str, Any] | None:
+    def listen_address(settings: Settings) -> tuple[str, bytes] | None:
         """A fresh Unix socket and key for the frontend to take the worker's other intake
-        processes on (``app.Intakes``), when it has any; ``frontend_address`` spells it. With
-        ``engine_clients``: the engine's client sockets' path prefix and how many clients."""
+        processes on (``app.Intakes``), when it has any; ``frontend_address`` spells it."""
         if not (settings.intake_processes > 1 or settings.urgent_concurrency):
             return None
-        if settings.engine_clients:
-            clients = max(settings.intake_processes, 1) + (1 if settings.urgent_concurrency else 0)
-            return new_base(), clients
         sock = f"vqueue-frontend-{os.getpid()}-{os.urandom(4).hex()}.sock"
         return os.path.join(tempfile.gettempdir(), sock), os.urandom(16)
 
     @staticmethod
-    def frontend_address(listen: tuple[str, Any]) -> str:
-        """How an intake process is told where its engine is (``Settings.frontend``); with
-        ``engine_clients``, ``app.Intakes`` appends each process's client index."""
-        if isinstance(listen[1], int):
-            return f"{CLIENTS}{listen[0]}:{listen[1]}"
+    def frontend_address(listen: tuple[str, bytes]) -> str:
+        """How an intake process is told where its engine is (``Settings.frontend``)."""
         return f"{listen[0]}#{listen[1].hex()}"
 
     def close(self) -> None:

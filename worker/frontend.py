@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import functools
 import itertools
 import logging
@@ -56,7 +55,6 @@ from schemas import Settings
 from .confidence import LogprobRule, Reading
 from .metrics import EngineStats
 from .vllm_ext.configure import ConfigError
-from .vllm_ext.launch import remove_sockets
 from .vllm_ext.plugin import watch_owner
 
 log = logging.getLogger(__name__)
@@ -356,178 +354,6 @@ def connect(address: str, authkey: bytes, wait_s: float = CONNECT_WAIT_S) -> Fro
     return FrontendLink(conn)
 
 
-class EngineClient:
-    """vLLM's frontend (``AsyncLLM``) in this process, as one of the engine core's clients
-    (``Settings.engine_clients``): the way ``vllm serve --api-server-count N`` runs, each
-    intake process being one client, so no process of vqueue's own stands between the intake
-    and vLLM's. The worker's first process starts the engine core for all of them
-    (``vllm_ext.launch``) and is client 0; with no other intake process, it is vLLM's plain
-    single-client ``AsyncLLM``.
-
-    The same interface as ``FrontendLink``: ``submit`` returns a future, cancelling it aborts
-    the request, and a dead engine core fails every waiting request with ``EngineDead``."""
-
-    def __init__(
-        self,
-        settings: Settings,
-        model_path: str,
-        index: int = 0,
-        count: int = 1,
-        base: str | None = None,
-        on_stats: Any = None,
-    ) -> None:
-        from .vllm_ext.configure import configure_engine, engine_kwargs
-        from .vllm_ext.launch import client_addresses, launch
-
-        self.process = None
-        self.dead: str | None = None
-        self._lock = threading.Lock()
-        self._pending: dict[str, concurrent.futures.Future[Any]] = {}
-        self._tasks: dict[str, asyncio.Task[Output]] = {}
-        self.stats = EngineStats() if on_stats is not None else None
-        self._on_stats = on_stats
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True).start()
-        config, self.plan = configure_engine(settings, engine_kwargs(settings, model_path))
-        # the first process starts the engine core for every client; the others wait for it
-        self.core = launch(config, count, base) if base is not None and index == 0 else None
-        self.base = base
-        addresses = client_addresses(base, index) if base is not None else None
-        try:
-            self.engine = self._call(self._build(settings, config, addresses, count, index))
-            tokenizer = self.engine.get_tokenizer()
-            if asyncio.iscoroutine(tokenizer):  # vLLM < 0.30 made it a coroutine
-                tokenizer = self._call(tokenizer)
-        except BaseException:
-            if self.core is not None:
-                self.core.shutdown()
-            raise
-        self.tokenizer = tokenizer
-        if self.core is not None:
-            threading.Thread(target=self._watch_core, name="vqueue-core-watch", daemon=True).start()
-        if self.stats is not None:
-            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._report()))
-
-    def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    async def _build(
-        self, settings: Settings, config: Any, addresses: Any, count: int, index: int
-    ) -> Any:
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        loggers: list[Any] = [lambda *_a, **_k: self.stats] if self.stats is not None else []
-        extra: dict[str, Any] = {}
-        if addresses is not None:
-            extra = {"client_addresses": addresses, "client_count": count, "client_index": index}
-        engine = AsyncLLM.from_vllm_config(
-            config,
-            usage_context=UsageContext.LLM_CLASS,
-            stat_loggers=loggers or None,
-            **extra,
-        )
-        if self.stats is not None and settings.log_stats_s > 0:
-            self._stats_task = asyncio.get_running_loop().create_task(
-                _log_stats(engine, settings.log_stats_s)
-            )
-        return engine
-
-    async def _report(self) -> None:
-        while self.stats is not None and self._on_stats is not None:
-            self._on_stats(self.stats.totals())
-            await asyncio.sleep(STATS_EVERY_S)
-
-    def _watch_core(self) -> None:
-        """The engine core is this process's child: its exit fails every waiting request."""
-        assert self.core is not None
-        connection.wait(self.core.sentinels())
-        self._die("the engine core process exited")
-
-    def submit(
-        self,
-        prompt_ids: list[int],
-        params: Any,
-        order: int,
-        lead: threading.Event | None = None,
-        rule: LogprobRule | None = None,
-        salt: str | None = None,
-    ) -> concurrent.futures.Future[Output]:
-        rid = uuid.uuid4().hex
-        future: concurrent.futures.Future[Output] = concurrent.futures.Future()
-        with self._lock:
-            if self.dead is not None:
-                raise EngineDead(self.dead)
-            self._pending[rid] = future
-        prompt = {"prompt_token_ids": prompt_ids, **({"cache_salt": salt} if salt else {})}
-        first = lead.set if lead is not None else None
-        self.loop.call_soon_threadsafe(self._start, rid, prompt, params, order, first, rule)
-        future.add_done_callback(functools.partial(self._settled, rid, lead))
-        return future
-
-    def _start(
-        self, rid: str, prompt: dict[str, Any], params: Any, order: int, first: Any, rule: Any
-    ) -> None:
-        with self._lock:
-            future = self._pending.get(rid)
-        if future is None or future.done():  # cancelled before it started
-            return
-        task = self.loop.create_task(generate(self.engine, rid, prompt, params, order, first, rule))
-        self._tasks[rid] = task
-        task.add_done_callback(functools.partial(self._finished, rid, future))
-
-    def _finished(
-        self, rid: str, future: concurrent.futures.Future[Output], task: asyncio.Task[Output]
-    ) -> None:
-        self._tasks.pop(rid, None)
-        try:
-            if task.cancelled():
-                future.cancel()
-            elif (exc := task.exception()) is not None:
-                future.set_exception(exc)
-            else:
-                future.set_result(task.result())
-        except concurrent.futures.InvalidStateError:  # its waiter cancelled it, or it died
-            pass
-
-    def _settled(
-        self, rid: str, lead: threading.Event | None, future: concurrent.futures.Future[Any]
-    ) -> None:
-        with self._lock:
-            self._pending.pop(rid, None)
-        if lead is not None:
-            lead.set()
-        if future.cancelled():  # a timeout or a withdrawn batch: abort it in the engine
-            self.loop.call_soon_threadsafe(self._cancel, rid)
-
-    def _cancel(self, rid: str) -> None:
-        task = self._tasks.get(rid)
-        if task is not None:
-            task.cancel()  # CancelledError inside generate: vLLM aborts the request
-
-    def metrics_text(self, timeout_s: float = 2.0) -> str | None:
-        return None if self.dead else _exposition()
-
-    def _die(self, reason: str) -> None:
-        with self._lock:
-            if self.dead is None:
-                self.dead = reason
-            pending, self._pending = self._pending, {}
-        for future in pending.values():
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
-                future.set_exception(EngineDead(reason))
-
-    def close(self) -> None:
-        self._die("the engine was closed")
-        try:
-            self.engine.shutdown()
-        finally:
-            if self.core is not None:
-                self.core.shutdown()
-                remove_sockets(self.base or "")
-            self.loop.call_soon_threadsafe(self.loop.stop)
-
-
 def _preload() -> None:
     """Import here, while the frontend process builds the engine, what the worker needs once it
     is up (vLLM's tokenizer classes, its sampling parameters): overlapped, not added."""
@@ -657,10 +483,15 @@ class Frontend:
             config, usage_context=UsageContext.LLM_CLASS, stat_loggers=loggers
         )
         if self.settings.log_stats_s > 0:
-            self._stats_task = asyncio.get_running_loop().create_task(
-                _log_stats(engine, self.settings.log_stats_s)
-            )
+            self._stats_task = asyncio.get_running_loop().create_task(self._log_stats(engine))
         return engine, plan
+
+    async def _log_stats(self, engine: Any) -> None:
+        """vLLM's own periodic line (throughput, running/waiting, KV use, prefix-cache hits),
+        which its API server prints and a bare AsyncLLM does not."""
+        while True:
+            await asyncio.sleep(self.settings.log_stats_s)
+            await engine.do_log_stats()
 
     async def _report(self) -> None:
         while True:  # the worker that started this process keeps the engine's gauges
@@ -802,93 +633,67 @@ class Frontend:
         lead: bool,
         rule: LogprobRule | None,
     ) -> Output:
-        def first() -> None:
-            self._reply(rid, ("first", rid), last=False)
+        """One request to its end. ``lead``: report the first token (prefix gating). ``rule``:
+        the early stop without the in-engine monitor: the request streams vLLM's own top-1
+        logprob with each token, and is aborted in the engine at the token the rule holds,
+        if ``rule.monitor.abort``."""
+        from vllm.sampling_params import RequestOutputKind
 
-        return await generate(
-            self.engine, rid, prompt, params, order, first if lead else None, rule
+        final = None
+        if rule is not None:
+            params = params.clone()
+            params.logprobs = max(params.logprobs or 0, 1)
+            params.output_kind = RequestOutputKind.DELTA
+        elif lead:  # the group's first job reports its first token to the rest
+            params = params.clone()
+            params.output_kind = RequestOutputKind.CUMULATIVE
+        pieces: list[str] = []  # the text, when it streams back in deltas
+        streamed = 0
+        aborted = False
+        try:
+            async for out in self.engine.generate(prompt, params, rid, priority=order):
+                if final is None and lead:
+                    self._reply(rid, ("first", rid), last=False)
+                final = out
+                if rule is not None:
+                    delta = out.outputs[0]
+                    pieces.append(delta.text)
+                    streamed += len(delta.token_ids)
+                    if _rule_holds(rule, delta.logprobs) and rule.monitor.abort:
+                        aborted = True
+                        await self.engine.abort(rid)
+                        break
+        except asyncio.CancelledError:
+            await self.engine.abort(rid)
+            raise
+        except Exception as exc:  # vLLM's own validation errors, engine-side failures
+            if type(exc).__name__ == "EngineDeadError" or self.engine.errored:
+                raise EngineDead(f"{type(exc).__name__}: {exc}") from exc
+            raise EngineError(f"{type(exc).__name__}: {exc}") from exc
+        if final is None or not final.outputs:
+            raise EngineError("the engine returned no output")
+        choice = final.outputs[0]
+        text, tokens, finish = choice.text, len(choice.token_ids), choice.finish_reason
+        reading = None
+        if rule is not None:
+            text, tokens, reading = "".join(pieces), streamed, rule.reading()
+            finish = "stop" if aborted else finish
+        return Output(
+            text=text,
+            finish_reason=finish,
+            stop_reason=choice.stop_reason,
+            prompt_tokens=len(final.prompt_token_ids or prompt["prompt_token_ids"]),
+            completion_tokens=tokens,
+            first_token_at=_first_token_at(final),
+            cached_tokens=int(getattr(final, "num_cached_tokens", 0) or 0),
+            arrived_at=_arrived_at(final),
+            scheduled_at=_scheduled_at(final),
+            aborted=aborted,
+            reading=reading,
+            finished_at=time.time(),
+            token_ids=None if params.detokenize else list(choice.token_ids),
+            logprobs=_token_logprobs(choice, params.logprobs) if rule is None else None,
         )
-
-
-async def generate(
-    engine: Any,
-    rid: str,
-    prompt: dict[str, Any],
-    params: Any,
-    order: int,
-    first: Any,
-    rule: LogprobRule | None,
-) -> Output:
-    """One request to its end on ``engine`` (an ``AsyncLLM``). ``first``: called at the
-    request's first token (a prefix group's lead, for gating). ``rule``:
-    the early stop without the in-engine monitor: the request streams vLLM's own top-1
-    logprob with each token, and is aborted in the engine at the token the rule holds,
-    if ``rule.monitor.abort``."""
-    from vllm.sampling_params import RequestOutputKind
-
-    final = None
-    if rule is not None:
-        params = params.clone()
-        params.logprobs = max(params.logprobs or 0, 1)
-        params.output_kind = RequestOutputKind.DELTA
-    elif first is not None:  # the group's first job reports its first token to the rest
-        params = params.clone()
-        params.output_kind = RequestOutputKind.CUMULATIVE
-    pieces: list[str] = []  # the text, when it streams back in deltas
-    streamed = 0
-    aborted = False
-    try:
-        async for out in engine.generate(prompt, params, rid, priority=order):
-            if final is None and first is not None:
-                first()
-            final = out
-            if rule is not None:
-                delta = out.outputs[0]
-                pieces.append(delta.text)
-                streamed += len(delta.token_ids)
-                if _rule_holds(rule, delta.logprobs) and rule.monitor.abort:
-                    aborted = True
-                    await engine.abort(rid)
-                    break
-    except asyncio.CancelledError:
-        await engine.abort(rid)
-        raise
-    except Exception as exc:  # vLLM's own validation errors, engine-side failures
-        if type(exc).__name__ == "EngineDeadError" or engine.errored:
-            raise EngineDead(f"{type(exc).__name__}: {exc}") from exc
-        raise EngineError(f"{type(exc).__name__}: {exc}") from exc
-    if final is None or not final.outputs:
-        raise EngineError("the engine returned no output")
-    choice = final.outputs[0]
-    text, tokens, finish = choice.text, len(choice.token_ids), choice.finish_reason
-    reading = None
-    if rule is not None:
-        text, tokens, reading = "".join(pieces), streamed, rule.reading()
-        finish = "stop" if aborted else finish
-    return Output(
-        text=text,
-        finish_reason=finish,
-        stop_reason=choice.stop_reason,
-        prompt_tokens=len(final.prompt_token_ids or prompt["prompt_token_ids"]),
-        completion_tokens=tokens,
-        first_token_at=_first_token_at(final),
-        cached_tokens=int(getattr(final, "num_cached_tokens", 0) or 0),
-        arrived_at=_arrived_at(final),
-        scheduled_at=_scheduled_at(final),
-        aborted=aborted,
-        reading=reading,
-        finished_at=time.time(),
-        token_ids=None if params.detokenize else list(choice.token_ids),
-        logprobs=_token_logprobs(choice, params.logprobs) if rule is None else None,
-    )
-
-
-async def _log_stats(engine: Any, every_s: float) -> None:
-    """vLLM's own periodic line (throughput, running/waiting, KV use, prefix-cache hits),
-    which its API server prints and a bare AsyncLLM does not."""
-    while True:
-        await asyncio.sleep(every_s)
-        await engine.do_log_stats()
 
 
 def _exposition() -> str:
