@@ -509,6 +509,27 @@ def test_an_unexpected_exception_fails_the_job_alone(
     assert w.proc.poll() is None
 
 
+def test_a_worker_without_a_sandbox_fails_jobs_with_tests_and_runs_the_rest(
+    procs: Procs, fault_redis: RedisServer, tmp_path: Path
+) -> None:
+    # Given a worker whose PATH holds no bubblewrap (nor prlimit)
+    client = _client(fault_redis.url)
+    w = procs.fake_worker("nobw", fault_redis.url, delay=0.05, concurrency=2, PATH=str(tmp_path))
+    w.wait_ready(client.store.r, timeout=120)
+    # When a codegen job with tests and one without run there
+    code = {"type": "codegen", "instruction": "Write add(a, b)."}
+    jobs = [{"id": "t", **code, "tests": "assert add(1, 2) == 3"}, {"id": "plain", **code}]
+    results = {r.id: r for r in client.submit_many(jobs).results(timeout=60)}
+    # Then the one with tests fails sandbox_unavailable, saying why, and nothing ran it; the
+    # other completes on the same worker
+    t = results["t"]
+    assert t.status == "failed" and t.error is not None
+    assert t.error.type == "sandbox_unavailable" and "bwrap" in t.error.message, t.error
+    assert t.tests is None
+    assert results["plain"].status == "completed"
+    assert w.proc.poll() is None
+
+
 def test_a_permanent_redis_error_fails_the_job_instead_of_looping(
     procs: Procs, fault_redis: RedisServer
 ) -> None:
