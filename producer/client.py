@@ -244,9 +244,9 @@ class Client:
         self.broker = (
             self.store.r if same else BatchStore.from_url(s.broker_url, retry_s=s.redis_retry_s).r
         )
-        self.router: Router | None = None
-        if s.prefix_routing:
-            self.router = Router(self.store, self.broker, s.queue, s.route_spill_depth)
+        self.router = Router(
+            self.store, self.broker, s.queue, s.route_spill_depth, by_prefix=s.prefix_routing
+        )
 
     def batch(self, batch_id: str) -> Batch:
         return Batch(self, batch_id)
@@ -404,10 +404,10 @@ class Client:
         if urgent:
             out.append((urgent_queue(s.queue), urgent))
             envelopes = [e for e in envelopes if e.job.priority < s.urgent_priority]
-        if self.router is None:
-            out.append((s.queue, envelopes))
-        else:
+        if self.router.by_prefix or any(e.model is not None for e in envelopes):
             out.extend(self.router.route(envelopes).items())
+        else:
+            out.append((s.queue, envelopes))
         return [(queue, group) for queue, group in out if group]
 
     def _send(self, envelopes: list[Envelope]) -> None:

@@ -1,4 +1,5 @@
-"""Prefix-aware routing: each job goes to the worker its prefix key hashes to.
+"""Routing: each job goes to a worker serving the model it names, and among those to the one
+its prefix key hashes to.
 
 Every worker consumes the shared queue and a queue of its own (``<queue>@<worker>``). A producer
 ranks the live workers (their heartbeats) for each job by rendezvous hashing on the job's prefix
@@ -6,6 +7,10 @@ key, so jobs sharing a prefix meet on one engine, whose prefix cache then serves
 worker joining or leaving moves only the keys it wins or held. A worker whose own queue already
 holds ``spill`` jobs is passed over for the least-loaded one: caches stay warm without hot spots.
 With no live worker, jobs go to the shared queue, which any worker takes from.
+
+A job naming a model (``Envelope.model``) is routed among the live workers that serve it (their
+heartbeat's ``models``), with or without prefix routing; with none serving it, it goes to the
+shared queue, where the worker that takes it fails it ``model_not_found``.
 
 A dead worker's queue is not stranded: live workers move its jobs to the shared queue
 (``rescue_orphans``, from the worker registry in ``store``), and a worker stopping cleanly moves
@@ -49,22 +54,33 @@ def rank(prefix_key: str, workers: list[str]) -> list[str]:
 class Router:
     """Chooses a queue per job; one per producer, its view of the fleet refreshed every 2 s."""
 
-    def __init__(self, store: Any, broker: redis.Redis, queue: str, spill: int = 0) -> None:
+    def __init__(
+        self, store: Any, broker: redis.Redis, queue: str, spill: int = 0, by_prefix: bool = True
+    ) -> None:
         self.store, self.broker, self.queue, self.spill = store, broker, queue, spill
+        self.by_prefix = by_prefix  # off: only jobs naming a model are routed
         self._workers: dict[str, int] = {}  # name -> spill threshold
+        self._models: dict[str, list[str]] = {}  # served name -> the workers serving it
         self._seen = 0.0
 
     def workers(self) -> dict[str, int]:
         if time.monotonic() - self._seen > 2.0:
-            live = [w for w in self.store.workers() if w.get("queue") == self.queue]
+            live = [
+                w for w in self.store.workers() if w.get("queue") == self.queue and w.get("routed")
+            ]
             # one routed queue per engine: a worker's intake processes all consume it, each
             # holding a share of what the engine holds
             self._workers = {
                 w["name"]: self.spill
                 or max(int(w.get("concurrency") or 1), 1) * int(w.get("intake_processes") or 1)
                 for w in live
-                if w.get("routed")
             }
+            models: dict[str, list[str]] = defaultdict(list)
+            for w in live:
+                for m in w.get("models") or [w.get("model")]:
+                    if m:
+                        models[m].append(w["name"])
+            self._models = {m: sorted(ws) for m, ws in models.items()}
             self._seen = time.monotonic()
         return self._workers
 
@@ -72,10 +88,23 @@ class Router:
         workers = self.workers()
         if not workers:
             return {self.queue: envelopes}
-        names = sorted(workers)
-        depth = {w: queue_depth(self.broker, worker_queue(self.queue, w)) for w in names}
+        every = sorted(workers)
+        depth: dict[str, int] = {}
         out: dict[str, list[Envelope]] = defaultdict(list)
         for env in envelopes:
+            if env.model is not None:
+                names = self._models.get(env.model)
+                if not names:  # nobody serves it: the worker that takes it says so
+                    out[self.queue].append(env)
+                    continue
+            elif self.by_prefix:
+                names = every
+            else:
+                out[self.queue].append(env)
+                continue
+            for w in names:
+                if w not in depth:
+                    depth[w] = queue_depth(self.broker, worker_queue(self.queue, w))
             target = rank(env.prefix_key or env.job.id, names)[0]
             if depth[target] >= workers[target]:  # backed up: the least-loaded takes it
                 target = min(names, key=lambda w: depth[w] / workers[w])

@@ -115,6 +115,9 @@ class _JobBase(BaseModel):
     priority: int = Field(default=0, ge=0, le=9)
     # None means the per-type default from the worker's settings
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_OUTPUT_TOKENS)
+    # the served model that answers (a name from a worker's VQUEUE_SERVED_MODEL_NAME, else its
+    # VQUEUE_MODEL): producers route the job to a live worker serving it; None: any worker
+    model: str | None = Field(default=None, min_length=1, max_length=256)
     # batch work wants reproducible output, so greedy by default
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -501,7 +504,8 @@ class Envelope(BaseModel):
     # the form the line came in, and its result goes back out in: vqueue's own, an OpenAI Batch
     # API ``/v1/chat/completions`` line ("openai"), a ``/v1/completions`` or ``/v1/responses`` line
     format: Format = "vqueue"
-    # the OpenAI request's "model" field, as asked; the result names the model that answered
+    # the model asked for (an OpenAI request's "model" field, else the job's); routed by, and
+    # checked by the worker; the result names the model that answered
     model: str | None = None
     enqueued_at: float
     # jobs with one key share a prompt prefix (``prefix_key``); filled in when not given
@@ -514,6 +518,8 @@ class Envelope(BaseModel):
     def _fill_prefix_key(self) -> Envelope:
         if self.prefix_key is None:
             self.prefix_key = prefix_key(self.job)
+        if self.model is None:
+            self.model = self.job.model
         return self
 
     def wire(self) -> str:

@@ -23,7 +23,12 @@ CONTEXT = (
 
 @pytest.fixture(scope="module")
 def two_workers(module_procs: Procs, redis_client: redis.Redis) -> dict[str, WorkerProc]:
-    ws = {n: module_procs.worker(n, Q, VQUEUE_CONCURRENCY="8") for n in ("ra", "rb")}
+    # each also answers to a name of its own: jobs naming it are routed to it alone
+    names = {"ra": "alpha,smollm2", "rb": "beta,smollm2"}
+    ws = {
+        n: module_procs.worker(n, Q, VQUEUE_CONCURRENCY="8", VQUEUE_SERVED_MODEL_NAME=names[n])
+        for n in ("ra", "rb")
+    }
     for w in ws.values():
         w.wait_ready(redis_client)
     return ws
@@ -84,6 +89,34 @@ def test_a_backed_up_worker_sheds_to_the_other(two_workers: dict[str, WorkerProc
     home = _expected_worker(jobs[0], _names(two_workers))
     assert workers.count(home) >= 4 and 0 < len(set(workers) - {home}) <= 1
     assert len(workers) - workers.count(home) > 0
+
+
+def test_jobs_naming_a_model_go_to_the_workers_serving_it(
+    two_workers: dict[str, WorkerProc],
+) -> None:
+    # Given ra serving the model as "alpha" (and "smollm2"), rb as "beta" (and "smollm2")
+    client = Client(make_settings(Q, route_spill_depth=100))
+    ra, rb = _names(two_workers)
+    # When prefix groups homed on either worker come as jobs naming "alpha" and jobs naming
+    # "beta", with jobs naming the name both serve, and one naming a model nobody serves
+    jobs = [_job(300 + g, i, model=m) for g in range(6) for i, m in enumerate(("alpha", "beta"))]
+    jobs += [_job(300 + g, 2, model="smollm2") for g in range(6)]
+    jobs.append(_job(399, 0, model="gamma"))
+    results = {r.id: r for r in client.submit_many(jobs).results(timeout=300)}
+    # Then each named job ran on the worker serving its name, whatever its prefix, and its
+    # result names the model that answered
+    assert len(results) == len(jobs)
+    for g in range(6):
+        alpha, beta, both = (results[f"g{300 + g}-{i}"] for i in range(3))
+        assert (alpha.status, alpha.worker, alpha.model) == ("completed", ra, "alpha"), alpha
+        assert (beta.status, beta.worker, beta.model) == ("completed", rb, "beta"), beta
+        # (the name both serve routes by prefix, as a job naming no model does)
+        home = _expected_worker(_job(300 + g, 2, model="smollm2"), [ra, rb])
+        assert (both.status, both.worker) == ("completed", home), both
+    # and the job naming a model no live worker serves failed alone, saying so
+    gamma = results["g399-0"]
+    assert gamma.status == "failed" and gamma.error is not None
+    assert gamma.error.type == "model_not_found" and "gamma" in gamma.error.message
 
 
 def test_stopping_a_worker_moves_its_keys_and_loses_nothing(
