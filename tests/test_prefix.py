@@ -119,6 +119,23 @@ def test_jobs_naming_a_model_go_to_the_workers_serving_it(
     assert gamma.error.type == "model_not_found" and "gamma" in gamma.error.message
 
 
+def test_a_job_at_a_worker_not_serving_its_model_is_sent_on(
+    two_workers: dict[str, WorkerProc],
+) -> None:
+    # Given a job naming "beta" that lands in ra's own queue, as a rescued queue or a producer's
+    # stale view of the fleet puts it (this producer sends every job there)
+    client = Client(make_settings(Q, route_spill_depth=100))
+    ra, rb = _names(two_workers)
+    client.router.route = lambda envs: {worker_queue(Q, ra): list(envs)}  # type: ignore[method-assign]
+    jobs = [_job(400, 0, model="beta"), _job(401, 0, model="alpha")]
+    # When they run
+    results = {r.id: r for r in client.submit_many(jobs).results(timeout=300)}
+    # Then ra sent the beta job on to rb, which answered it, once; ra answered its own
+    assert len(results) == 2
+    assert (results["g400-0"].status, results["g400-0"].worker) == ("completed", rb)
+    assert (results["g401-0"].status, results["g401-0"].worker) == ("completed", ra)
+
+
 def test_stopping_a_worker_moves_its_keys_and_loses_nothing(
     two_workers: dict[str, WorkerProc], redis_client: redis.Redis
 ) -> None:

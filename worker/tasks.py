@@ -61,6 +61,26 @@ def store() -> Any:
     return _store
 
 
+_router: Any = None
+
+
+def _serving_queue(env: Envelope) -> str | None:
+    """For a job naming a model this worker does not serve: the own queue of a live worker
+    that serves it, where the job belongs (a dead worker's queue is rescued to the shared one
+    whole, and a producer's view of the fleet lags it by up to two seconds); None when no live
+    worker serves it."""
+    global _router
+    from protocol.routing import Router
+
+    with _lock:
+        if _router is None:
+            from .app import _broker
+
+            _router = Router(store(), _broker(), settings.queue, by_prefix=False)
+    queue, _ = next(iter(_router.route([env]).items()))
+    return None if queue == settings.queue else str(queue)
+
+
 _templates: Any = None
 
 
@@ -119,6 +139,16 @@ def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
             result = _failed(task, payload, withdrawn, message, env)  # type: ignore[arg-type]
         elif attempts > settings.max_deliveries:
             return _dead_letter(env, payload, attempts, worker)
+        elif (
+            env.model is not None
+            and env.model not in getattr(state.engine, "model_names", (env.model,))
+            and (home := _serving_queue(env)) is not None
+        ):  # sent on before this delivery is acknowledged: at worst it arrives twice, and
+            # the second finds the first's result (``start``'s done)
+            from protocol.wire import send_envelopes
+
+            while_full("forward", lambda: send_envelopes(_router.broker, [env], home))
+            return {"id": env.job.id, "status": "forwarded", "to": home}
         else:
             result = _generate(task, env, payload, worker)
     if while_full("record", lambda: store().record(result)):
