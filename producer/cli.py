@@ -437,7 +437,8 @@ def _fleet_status(client: Any, as_json: bool) -> str:
         up = time.time() - (w.get("started_at") or time.time())
         kv = w.get("kv_cache_usage")
         lines.append(
-            f"  {w['name']}  host={w['host']} gpus={w.get('gpus') or '-'} model={w['model']}"
+            f"  {w['name']}  host={w['host']} gpus={w.get('gpus') or '-'}"
+            f" model={','.join(w.get('models') or [w['model']])}"
             f" queue={w.get('queue')} in_flight={w['in_flight']}/{w['concurrency']}"
             f" done={w['jobs_done']} tok/s={w.get('tokens_per_s', 0):.0f}"
             f" running={w.get('engine_running', '-')} waiting={w.get('engine_waiting', '-')}"

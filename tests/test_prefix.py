@@ -11,7 +11,7 @@ from producer import Client
 from protocol.routing import rank, worker_queue
 from schemas import Envelope
 
-from .conftest import RUN, Procs, WorkerProc, make_settings, wait_for
+from .conftest import RUN, Procs, WorkerProc, make_settings, run_cli, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -117,6 +117,10 @@ def test_jobs_naming_a_model_go_to_the_workers_serving_it(
     gamma = results["g399-0"]
     assert gamma.status == "failed" and gamma.error is not None
     assert gamma.error.type == "model_not_found" and "gamma" in gamma.error.message
+    # and `vqueue status` lists the names each worker answers to
+    shown = run_cli("status", queue=Q).stdout.decode()
+    assert f"{ra}  " in shown and "model=alpha,smollm2 " in shown, shown
+    assert f"{rb}  " in shown and "model=beta,smollm2 " in shown, shown
 
 
 def test_a_job_at_a_worker_not_serving_its_model_is_sent_on(
