@@ -23,6 +23,7 @@ class StubEngine:
 
         self.settings = settings
         self.model_name = "stub"
+        self.adapters: dict[str, Any] = {}  # no LoRA
         self.in_flight = self.max_in_flight = self.jobs_done = 0
         self.started_at = time.time()
         self._lock = threading.Lock()
@@ -50,6 +51,7 @@ class StubEngine:
         priority: int = 0,
         batch: str | None = None,
         salt: str | None = None,
+        lora: Any = None,
     ) -> Generation:
         with self._lock:
             self.jobs_done += 1

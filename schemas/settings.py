@@ -71,6 +71,12 @@ class Settings(BaseSettings):
     # the names requests may give this model, comma-separated, as vLLM's --served-model-name:
     # the first is the one results report; unset, the model itself (``served_names``)
     served_model_name: str | None = None
+    # LoRA adapters this worker serves beside its model, `name=path` comma-separated (a local
+    # directory as peft saves one); a job naming an adapter is answered with it, and routed to
+    # workers serving it. Empty: no LoRA (vLLM's enable_lora stays off)
+    lora_adapters: str = ""
+    max_loras: int = Field(default=4, ge=1, le=64)  # adapters in one engine step (vLLM's)
+    max_lora_rank: int = Field(default=16, ge=1, le=512)  # the largest rank served (vLLM's)
     # vLLM's tool-call parser for chat jobs with tools and tool_choice auto (its
     # --tool-call-parser: hermes, llama3_json, mistral, ...); unset, such answers stay text
     tool_call_parser: str | None = None
@@ -332,6 +338,19 @@ class Settings(BaseSettings):
         else the model as configured."""
         names = [n.strip() for n in (self.served_model_name or "").split(",") if n.strip()]
         return names or [self.model]
+
+    def adapters(self) -> dict[str, str]:
+        """``lora_adapters`` as name -> path; ``ValueError`` naming the entry that is not
+        ``name=path``, a name given twice, or a name the model itself is served as."""
+        out: dict[str, str] = {}
+        for entry in filter(None, (e.strip() for e in self.lora_adapters.split(","))):
+            name, eq, path = (x.strip() for x in entry.partition("="))
+            if not eq or not name or not path:
+                raise ValueError(f"VQUEUE_LORA_ADAPTERS: {entry!r} is not name=path")
+            if name in out or name in self.served_names():
+                raise ValueError(f"VQUEUE_LORA_ADAPTERS: the name {name!r} is taken")
+            out[name] = path
+        return out
 
     def worker_concurrency(self) -> int:
         """Jobs the worker holds at once, all its intake processes together."""

@@ -52,6 +52,7 @@ class FakeEngine:
         # "fake" unless the test names it (VQUEUE_SERVED_MODEL_NAME), as a real worker's names
         self.model_names = settings.served_names() if settings.served_model_name else ["fake"]
         self.model_name = self.model_names[0]
+        self.adapters: dict[str, Any] = {}  # no LoRA
         self.delay = float(os.environ.get("VQUEUE_TEST_FAKE_DELAY_S", "0.2"))
         self.in_flight = self.max_in_flight = self.jobs_done = 0
         self.started_at = time.time()
@@ -87,6 +88,7 @@ class FakeEngine:
         priority: int = 0,
         batch: str | None = None,
         salt: str | None = None,
+        lora: Any = None,
     ) -> Generation:
         with self._lock:
             self.in_flight += 1

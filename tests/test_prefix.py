@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ import redis
 from producer import Client
 from protocol.routing import rank, worker_queue
 from schemas import Envelope
+from worker.models import resolve_model
 
 from .conftest import RUN, Procs, WorkerProc, make_settings, run_cli, wait_for
 
@@ -21,14 +23,43 @@ CONTEXT = (
 ) * 12  # a shared code context of a few hundred tokens
 
 
+def make_adapter(where: Path) -> Path:
+    """A LoRA adapter of the embedded model, made with peft: rank 8 on the attention's query
+    and value projections, its B weights random (peft starts them at zero, which would leave
+    the model's answers as they are), so its answers differ from the model's."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model(make_settings().model), dtype=torch.float32
+    )
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    tuned = get_peft_model(model, config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, weights in tuned.named_parameters():
+            if "lora_B" in name:
+                weights.normal_(0, 0.5)
+    tuned.save_pretrained(str(where))
+    return where
+
+
 @pytest.fixture(scope="module")
-def two_workers(module_procs: Procs, redis_client: redis.Redis) -> dict[str, WorkerProc]:
-    # each also answers to a name of its own: jobs naming it are routed to it alone
-    names = {"ra": "alpha,smollm2", "rb": "beta,smollm2"}
-    ws = {
-        n: module_procs.worker(n, Q, VQUEUE_CONCURRENCY="8", VQUEUE_SERVED_MODEL_NAME=names[n])
-        for n in ("ra", "rb")
+def two_workers(
+    module_procs: Procs, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, WorkerProc]:
+    # each also answers to a name of its own: jobs naming it are routed to it alone; rb also
+    # serves a LoRA adapter
+    adapter = make_adapter(tmp_path_factory.mktemp("lora") / "tuned")
+    env = {
+        "ra": {"VQUEUE_SERVED_MODEL_NAME": "alpha,smollm2"},
+        "rb": {
+            "VQUEUE_SERVED_MODEL_NAME": "beta,smollm2",
+            "VQUEUE_LORA_ADAPTERS": f"tuned={adapter}",
+        },
     }
+    ws = {n: module_procs.worker(n, Q, VQUEUE_CONCURRENCY="8", **env[n]) for n in ("ra", "rb")}
     for w in ws.values():
         w.wait_ready(redis_client)
     return ws
@@ -120,7 +151,29 @@ def test_jobs_naming_a_model_go_to_the_workers_serving_it(
     # and `vqueue status` lists the names each worker answers to
     shown = run_cli("status", queue=Q).stdout.decode()
     assert f"{ra}  " in shown and "model=alpha,smollm2 " in shown, shown
-    assert f"{rb}  " in shown and "model=beta,smollm2 " in shown, shown
+    assert f"{rb}  " in shown and "model=beta,smollm2,tuned " in shown, shown
+
+
+def test_a_lora_adapter_is_served_routed_and_reported(two_workers: dict[str, WorkerProc]) -> None:
+    # Given rb serving the LoRA adapter "tuned" beside its model
+    client = Client(make_settings(Q, route_spill_depth=100))
+    ra, rb = _names(two_workers)
+    ask = {"type": "chat", "max_tokens": 12,
+           "messages": [{"role": "user", "content": "What is the capital of France?"}]}  # fmt: skip
+    # When the same question comes three times naming the adapter and three times the model
+    jobs = [{"id": f"{m}{i}", **ask, "model": m} for m in ("tuned", "beta") for i in range(3)]
+    results = {r.id: r for r in client.submit_many(jobs).results(timeout=300)}
+    # Then all ran on rb, the adapter's results name it, and the adapter answered otherwise
+    # than the model (greedy: each answered alike every time)
+    assert {(r.status, r.worker) for r in results.values()} == {("completed", rb)}, results
+    assert {results[f"tuned{i}"].model for i in range(3)} == {"tuned"}
+    assert {results[f"beta{i}"].model for i in range(3)} == {"beta"}
+    tuned = {results[f"tuned{i}"].text for i in range(3)}
+    base = {results[f"beta{i}"].text for i in range(3)}
+    assert len(tuned) == 1 and len(base) == 1 and tuned != base, (tuned, base)
+    # and rb's heartbeat lists the adapter among the names it answers to
+    beat = {w["name"]: w for w in client.store.workers()}
+    assert beat[rb]["models"] == ["beta", "smollm2", "tuned"], beat[rb]
 
 
 def test_a_job_at_a_worker_not_serving_its_model_is_sent_on(

@@ -98,7 +98,11 @@ class EngineHost:
         self.settings = settings
         check_engine_settings(settings, has_cuda(), gpu_count())
         self.model_path = resolve_model(settings.model)
-        self.model_names = settings.served_names()
+        # LoRA adapters by served name: (name, vLLM's int id for it, path)
+        self.adapters = {
+            name: (name, i, path) for i, (name, path) in enumerate(settings.adapters().items(), 1)
+        }
+        self.model_names = [*settings.served_names(), *self.adapters]
         self.model_name = self.model_names[0]
         self._lock = threading.Lock()
         self._groups: OrderedDict[str, threading.Event] = OrderedDict()
@@ -170,6 +174,7 @@ class EngineHost:
         priority: int = 0,
         batch: str | None = None,
         salt: str | None = None,
+        lora: tuple[str, int, str] | None = None,
     ) -> Generation:
         """Run one request to completion; blocks the calling (task) thread, not the engine.
         ``batch``: the job's, so that ``abort_batch`` can stop it. ``salt``: vLLM's
@@ -178,7 +183,8 @@ class EngineHost:
         With ``monitor`` (and the monitor loaded), the engine watches its confidence and, if
         ``monitor.abort``, stops it the step the rule holds (``Generation.aborted``).
         ``priority``: the job's, 0-9, higher first; vLLM's scheduler admits waiting requests in
-        that order under ``scheduling_policy=priority`` (vLLM's own scale runs lower first)."""
+        that order under ``scheduling_policy=priority`` (vLLM's own scale runs lower first).
+        ``lora``: the adapter to answer with (``adapters``), None for the model alone."""
         started = time.monotonic()
         limit = min(timeout_s or self.settings.job_timeout_s, self.settings.job_timeout_s)
         first_of_group = self._gate(prefix_key, limit)
@@ -202,7 +208,9 @@ class EngineHost:
         order = 9 - priority if self.settings.scheduling_policy == "priority" else 0
         sent_at = time.time()
         try:
-            future = self.frontend.submit(prompt_ids, params, order, first_of_group, rule, salt)
+            future = self.frontend.submit(
+                prompt_ids, params, order, first_of_group, rule, salt, lora
+            )
         except BaseException:
             if first_of_group is not None:
                 first_of_group.set()  # never leave the group waiting

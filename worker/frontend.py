@@ -13,7 +13,7 @@ timings the other.
 
 The wire is one duplex ``multiprocessing`` pipe of pickled tuples:
 
-- worker to frontend: ``("gen", rid, prompt_ids, params, order, lead, rule, salt)``,
+- worker to frontend: ``("gen", rid, prompt_ids, params, order, lead, rule, salt, lora)``,
   ``("abort", rid)``, ``("metrics", rid)``, ``("close",)``;
 - frontend to worker: first ``("ready", plan, tokenizer)`` or ``("failed", kind, text)``, then
   lists of ``("first", rid)`` (a leading request's first token), ``("done", rid, Output)``,
@@ -160,13 +160,15 @@ class FrontendLink:
         lead: threading.Event | None = None,
         rule: LogprobRule | None = None,
         salt: str | None = None,
+        lora: tuple[str, int, str] | None = None,
     ) -> concurrent.futures.Future[Output]:
         """Start one request. ``order``: vLLM's priority (lower first); ``lead``: set at the
-        request's first token (or its end). Cancelling the future aborts it."""
+        request's first token (or its end); ``lora``: vLLM's ``LoRARequest`` arguments.
+        Cancelling the future aborts it."""
         rid = uuid.uuid4().hex  # vLLM's request id too: fresh per call, a retry never collides
         future: concurrent.futures.Future[Output] = concurrent.futures.Future()
         data = pickle.dumps(
-            ("gen", rid, prompt_ids, params, order, lead is not None, rule, salt),
+            ("gen", rid, prompt_ids, params, order, lead is not None, rule, salt, lora),
             protocol=pickle.HIGHEST_PROTOCOL,
         )
         with self._lock:
@@ -593,9 +595,11 @@ class Frontend:
             self._admitting = bool(self._admissions)
             batch = [b for b in batch if b[0] in self._waiting]
             self._waiting.difference_update(b[0] for b in batch)
-        for rid, (ids, params, order, lead, rule, salt) in batch:
+        for rid, (ids, params, order, lead, rule, salt, lora) in batch:
             prompt = {"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
-            task = self.loop.create_task(self._generate(rid, prompt, params, order, lead, rule))
+            task = self.loop.create_task(
+                self._generate(rid, prompt, params, order, lead, rule, lora)
+            )
             self._tasks[rid] = task
             task.add_done_callback(functools.partial(self._finished, rid))
         if self._admitting:
@@ -632,6 +636,7 @@ class Frontend:
         order: int,
         lead: bool,
         rule: LogprobRule | None,
+        lora: tuple[str, int, str] | None = None,
     ) -> Output:
         """One request to its end. ``lead``: report the first token (prefix gating). ``rule``:
         the early stop without the in-engine monitor: the request streams vLLM's own top-1
@@ -639,6 +644,11 @@ class Frontend:
         if ``rule.monitor.abort``."""
         from vllm.sampling_params import RequestOutputKind
 
+        lora_request = None
+        if lora is not None:
+            from vllm.lora.request import LoRARequest
+
+            lora_request = LoRARequest(*lora)
         final = None
         if rule is not None:
             params = params.clone()
@@ -651,7 +661,9 @@ class Frontend:
         streamed = 0
         aborted = False
         try:
-            async for out in self.engine.generate(prompt, params, rid, priority=order):
+            async for out in self.engine.generate(
+                prompt, params, rid, lora_request=lora_request, priority=order
+            ):
                 if final is None and lead:
                     self._reply(rid, ("first", rid), last=False)
                 final = out

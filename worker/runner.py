@@ -84,7 +84,8 @@ def run_job(
         worker=worker,
         metadata=job.metadata,
         format=env.format,
-        model=engine.model_name,  # its reported name, whichever of its names the line gave
+        # its reported name, whichever of its names the line gave; an adapter's own
+        model=env.model if env.model in engine.adapters else engine.model_name,
         prefix_key=env.prefix_key,
     )
     refused = None
@@ -474,7 +475,7 @@ def _attempts(
         params = sampling_params(job, max_tokens, temperature, seed, grammar, loops, penalty)
         gen = engine.generate(
             prompt, params, _left(deadline), prefix_key, priority=job.priority,
-            batch=result.batch, salt=salt,
+            batch=result.batch, salt=salt, lora=engine.adapters.get(result.model or ""),
         )  # fmt: skip
         if penalty or gen.finish_reason == "repetition":
             result.attempts.append(_attempt(result, gen, temperature, seed, penalty))
@@ -490,7 +491,7 @@ def _attempts(
         key = prefix_key if k == 0 else None
         gen = engine.generate(
             prompt, params, left, key, monitor, priority=job.priority, batch=result.batch,
-            salt=salt,
+            salt=salt, lora=engine.adapters.get(result.model or ""),
         )  # fmt: skip
         result.attempts.append(_attempt(result, gen, temperature, seed, penalty))
         if not gen.aborted:

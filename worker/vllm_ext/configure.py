@@ -114,6 +114,8 @@ def engine_kwargs(s: Settings, model_path: str) -> dict[str, Any]:
             disable_any_whitespace=True,
         ),
     )
+    if s.lora_adapters:
+        kwargs.update(enable_lora=True, max_loras=s.max_loras, max_lora_rank=s.max_lora_rank)
     if s.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
     if s.load_format != "auto":
@@ -166,6 +168,12 @@ def check_engine_settings(s: Settings, cuda: bool, gpus: int) -> None:
         )
     if s.kv_cache_memory_bytes is not None and s.kv_cache_memory_bytes < 16 * 1024**2:
         problems.append("VQUEUE_KV_CACHE_MEMORY_BYTES under 16 MiB holds almost nothing")
+    try:
+        for name, path in s.adapters().items():
+            if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+                problems.append(f"LoRA adapter {name!r}: no adapter_config.json in {path}")
+    except ValueError as exc:
+        problems.append(str(exc))
     if problems:
         raise ConfigError("; ".join(problems))
 
