@@ -16,6 +16,7 @@ from schemas import (
     Job,
     JobError,
     JobResult,
+    Settings,
     Timings,
     job_json_schema,
     output_line,
@@ -501,3 +502,15 @@ def test_a_model_answers_to_its_served_names_or_else_to_itself() -> None:
     # the first is the name results report
     named = Settings(_env_file=None, model="org/m", served_model_name=" m , gpt-4o-mini,")
     assert named.served_names() == ["m", "gpt-4o-mini"]
+
+
+def test_lora_adapters_read_as_name_and_path_and_bad_lists_are_refused() -> None:
+    # Given VQUEUE_LORA_ADAPTERS as an operator writes it
+    s = Settings(_env_file=None, served_model_name="base", lora_adapters=" a=/x/a , b=/y ")
+    # Then each entry is a name and a path
+    assert s.adapters() == {"a": "/x/a", "b": "/y"}
+    assert Settings(_env_file=None).adapters() == {}
+    # and an entry that is not name=path, a name given twice, or the model's own name, is refused
+    for bad in ("a", "=/x", "a=", "a=/x,a=/y", "base=/x"):
+        with pytest.raises(ValueError, match="VQUEUE_LORA_ADAPTERS"):
+            Settings(_env_file=None, served_model_name="base", lora_adapters=bad).adapters()
