@@ -245,8 +245,9 @@ class Client:
             self.store.r if same else BatchStore.from_url(s.broker_url, retry_s=s.redis_retry_s).r
         )
         self.router = Router(
-            self.store, self.broker, s.queue, s.route_spill_depth, by_prefix=s.prefix_routing
-        )
+            self.store, self.broker, s.queue, s.route_spill_depth, by_prefix=s.prefix_routing,
+            wait=s.unserved_model == "wait",
+        )  # fmt: skip
 
     def batch(self, batch_id: str) -> Batch:
         return Batch(self, batch_id)

@@ -10,7 +10,8 @@ With no live worker, jobs go to the shared queue, which any worker takes from.
 
 A job naming a model (``Envelope.model``) is routed among the live workers that serve it (their
 heartbeat's ``models``), with or without prefix routing; with none serving it, it goes to the
-shared queue, where the worker that takes it fails it ``model_not_found``.
+shared queue, where the worker that takes it fails it ``model_not_found``, or, to wait, to the
+model's own queue (``model_queue``), which a worker serving it takes from when it starts.
 
 A dead worker's queue is not stranded: live workers move its jobs to the shared queue
 (``rescue_orphans``, from the worker registry in ``store``), and a worker stopping cleanly moves
@@ -35,6 +36,12 @@ def worker_queue(queue: str, worker: str) -> str:
     return f"{queue}@{worker}"
 
 
+def model_queue(queue: str, model: str) -> str:
+    """Where jobs naming ``model`` wait while no live worker serves it
+    (``Settings.unserved_model`` "wait"); every worker consumes its names' queues."""
+    return f"{queue}~{model}"
+
+
 def urgent_queue(queue: str) -> str:
     """Where jobs at ``Settings.urgent_priority`` or above wait: every intake process of every
     worker on ``queue`` consumes it, and each worker's urgent intake process consumes it alone,
@@ -55,10 +62,17 @@ class Router:
     """Chooses a queue per job; one per producer, its view of the fleet refreshed every 2 s."""
 
     def __init__(
-        self, store: Any, broker: redis.Redis, queue: str, spill: int = 0, by_prefix: bool = True
+        self,
+        store: Any,
+        broker: redis.Redis,
+        queue: str,
+        spill: int = 0,
+        by_prefix: bool = True,
+        wait: bool = False,
     ) -> None:
         self.store, self.broker, self.queue, self.spill = store, broker, queue, spill
         self.by_prefix = by_prefix  # off: only jobs naming a model are routed
+        self.wait = wait  # a model nobody serves: its own queue, not the shared one
         self._workers: dict[str, int] = {}  # name -> spill threshold
         self._models: dict[str, list[str]] = {}  # served name -> the workers serving it
         self._seen = 0.0
@@ -86,18 +100,16 @@ class Router:
 
     def route(self, envelopes: list[Envelope]) -> dict[str, list[Envelope]]:
         workers = self.workers()
-        if not workers:
-            return {self.queue: envelopes}
         every = sorted(workers)
         depth: dict[str, int] = {}
         out: dict[str, list[Envelope]] = defaultdict(list)
         for env in envelopes:
             if env.model is not None:
                 names = self._models.get(env.model)
-                if not names:  # nobody serves it: the worker that takes it says so
-                    out[self.queue].append(env)
+                if not names:  # nobody serves it: wait for one, or the worker taking it says so
+                    out[model_queue(self.queue, env.model) if self.wait else self.queue].append(env)
                     continue
-            elif self.by_prefix:
+            elif self.by_prefix and every:
                 names = every
             else:
                 out[self.queue].append(env)

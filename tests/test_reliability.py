@@ -24,6 +24,7 @@ import pytest
 import redis
 
 from producer import Client
+from protocol.routing import model_queue
 
 from .conftest import (
     ARTIFACTS,
@@ -528,6 +529,37 @@ def test_a_worker_without_a_sandbox_fails_jobs_with_tests_and_runs_the_rest(
     assert t.tests is None
     assert results["plain"].status == "completed"
     assert w.proc.poll() is None
+
+
+def test_a_job_naming_a_model_nobody_serves_waits_for_a_worker_of_it(
+    procs: Procs, fault_redis: RedisServer
+) -> None:
+    # Given producers that let such jobs wait (VQUEUE_UNSERVED_MODEL=wait) and one worker, on
+    # the fake engine (this isolates the queue mechanics), serving the model as "now"
+    client = _client(fault_redis.url, unserved_model="wait")
+    w1 = procs.fake_worker("now", fault_redis.url, delay=0.05, concurrency=2,
+                           VQUEUE_SERVED_MODEL_NAME="now")  # fmt: skip
+    w1.wait_ready(client.store.r, timeout=120)
+    # When a job naming "later", which nobody serves, comes beside one naming "now"
+    job = {"type": "summarize", "text": "a document"}
+    batch = client.submit_many([{"id": "later", **job, "model": "later"},
+                                {"id": "now", **job, "model": "now"}])  # fmt: skip
+    results = batch.results(timeout=120)
+    # Then the "now" job completes, and the other waits in its model's queue, not failed
+    first = next(results)
+    assert (first.id, first.status, first.worker) == ("now", "completed", w1.node)
+    assert client.queue_depth(model_queue("faults", "later")) == 1
+    # and once a worker serving "later" starts, it takes the job and answers it
+    w2 = procs.fake_worker("later", fault_redis.url, delay=0.05, concurrency=2,
+                           VQUEUE_SERVED_MODEL_NAME="later")  # fmt: skip
+    second = next(results)
+    assert (second.id, second.status, second.worker, second.model) == (
+        "later",
+        "completed",
+        w2.node,
+        "later",
+    )
+    _exactly_once(client, batch.id, 2)
 
 
 def test_a_permanent_redis_error_fails_the_job_instead_of_looping(

@@ -27,7 +27,7 @@ from celery import Celery, signals
 from redis.exceptions import RedisError
 
 from protocol.exits import RET_CONFIG, RET_ENGINE
-from protocol.routing import move_all, rescue_orphans, urgent_queue, worker_queue
+from protocol.routing import model_queue, move_all, rescue_orphans, urgent_queue, worker_queue
 from protocol.store import refused_for_memory
 from protocol.wire import PRIORITY_SEP, PRIORITY_STEPS, task_name
 from schemas import JOB_TYPES, Settings, get_settings
@@ -510,7 +510,9 @@ def _add_queues(sender: Any = None, instance: Any = None, **_: Any) -> None:
 
     - the urgent queue: urgent jobs wait for nobody's free slot but their own (``Intakes``);
     - its engine's own queue, ``<queue>@<first process>``, where producers route jobs by prefix
-      (protocol/routing.py), except the urgent intake, which takes urgent jobs alone.
+      (protocol/routing.py), except the urgent intake, which takes urgent jobs alone;
+    - the queue of each name it serves, ``<queue>~<name>``, where jobs naming a model wait
+      while no live worker serves it (``Settings.unserved_model``).
 
     Added here, Celery's way (``celeryd_after_setup``), so that a worker started with plain
     ``celery -A worker.app worker`` consumes the queue its heartbeat advertises too."""
@@ -522,6 +524,12 @@ def _add_queues(sender: Any = None, instance: Any = None, **_: Any) -> None:
     of = settings.intake_of
     if not of or node != intake_name(of, URGENT):
         queues.select_add(worker_queue(settings.queue, of or node))
+        try:
+            names = [*settings.served_names(), *settings.adapters()]
+        except ValueError:  # a malformed adapter list: the engine's start says so (exit 10)
+            names = settings.served_names()
+        for name in names:
+            queues.select_add(model_queue(settings.queue, name))
 
 
 @signals.worker_ready.connect

@@ -67,8 +67,8 @@ _router: Any = None
 def _serving_queue(env: Envelope) -> str | None:
     """For a job naming a model this worker does not serve: the own queue of a live worker
     that serves it, where the job belongs (a dead worker's queue is rescued to the shared one
-    whole, and a producer's view of the fleet lags it by up to two seconds); None when no live
-    worker serves it."""
+    whole, and a producer's view of the fleet lags it by up to two seconds), or the model's own
+    queue to wait in (``Settings.unserved_model``); None: fail it here."""
     global _router
     from protocol.routing import Router
 
@@ -76,7 +76,8 @@ def _serving_queue(env: Envelope) -> str | None:
         if _router is None:
             from .app import _broker
 
-            _router = Router(store(), _broker(), settings.queue, by_prefix=False)
+            wait = settings.unserved_model == "wait"
+            _router = Router(store(), _broker(), settings.queue, by_prefix=False, wait=wait)
     queue, _ = next(iter(_router.route([env]).items()))
     return None if queue == settings.queue else str(queue)
 
