@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import urllib.request
 from pathlib import Path
 
 import jsonschema
@@ -76,7 +78,18 @@ def test_three_job_types_complete(worker: WorkerProc, client: Client) -> None:
     assert (st.total, st.completed, st.failed) == (3, 3, 0)
 
 
-def test_codegen_answers_run_against_their_tests_until_one_passes(client: Client) -> None:
+def _counters(port: int, name: str) -> dict[str, float]:
+    """The worker's ``name`` counter by its label set, from its /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    found = (re.match(rf"^{name}(\{{[^}}]*\}}) ([0-9.e+-]+)$", x) for x in text.splitlines())
+    return {m.group(1): float(m.group(2)) for m in found if m}
+
+
+def test_codegen_answers_run_against_their_tests_until_one_passes(
+    client: Client, worker: WorkerProc
+) -> None:
+    before = _counters(worker.metrics_port, "vqueue_codegen_tested_total")
     # Given a codegen job whose tests a right answer passes, and one whose tests none can
     instruction = "Write a Python function add(a, b) that returns a + b."
     right = CodegenJob(
@@ -113,6 +126,19 @@ def test_codegen_answers_run_against_their_tests_until_one_passes(client: Client
         (2, "failed", "AssertionError: no answer passes this"),
     ], runs
     assert (runs[0].seed, runs[1].seed, runs[1].temperature) == (5, 6, 0.8), runs
+    # and the worker's metrics count them for pass@1 and pass@k
+    first = ok.tests.attempts[0].outcome == "passed"
+    want = {
+        '{outcome="first"}': float(first),
+        '{outcome="retried"}': float(not first),
+        '{outcome="failed"}': 1.0,
+    }
+
+    def deltas() -> dict[str, float]:
+        now = _counters(worker.metrics_port, "vqueue_codegen_tested_total")
+        return {k: now.get(k, 0.0) - before.get(k, 0.0) for k in want}
+
+    wait_for(lambda: deltas() == want, 15, f"the metrics to count the tested jobs: {want}")
     assert bad.usage.wasted_tokens == runs[0].tokens > 0 and bad.code is not None, bad.usage
 
 
