@@ -15,6 +15,10 @@ Real workers (``vqueue worker``), real Redis, the producer's ``Client``; English
 - early stop: false alarms on the greedy cases (attempts the monitor aborted), then summaries
   and code at temperature 1.8 with early stop off and on: aborts, tokens, seconds.
 
+``--only codegen`` runs the codegen-with-tests set alone (``benchmarks/codegen_set.py``: 30
+tasks, English and Chinese instructions) through the worker's sandbox: pass@1 and pass@k
+(``--attempts``), and writes benchmarks/results/quality-codegen-<model>-<date>.json.
+
 Prints a table and writes benchmarks/results/quality-<model>-<date>.json. docs/quality.md
 records the numbers for the embedded model.
 """
@@ -385,6 +389,12 @@ def main() -> None:
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--out", default="")
     ap.add_argument("--results", default="", help="the JSON to write (default: results/)")
+    ap.add_argument(
+        "--only",
+        choices=["codegen"],
+        help="codegen: only the codegen-with-tests set (benchmarks/codegen_set.py)",
+    )
+    ap.add_argument("--attempts", type=int, default=3, help="k of pass@k (max_attempts)")
     a = ap.parse_args()
     a.out = a.out or tempfile.mkdtemp(prefix="vqueue-quality-")
     Path(a.out).mkdir(parents=True, exist_ok=True)
@@ -394,6 +404,9 @@ def main() -> None:
         "command": "python -m benchmarks.quality" + (f" --model {a.model}" if a.model else ""),
     }
     print(f"quality: starting a worker on {a.model} (logs in {a.out})", file=sys.stderr)
+    if a.only == "codegen":
+        codegen_only(a, report)
+        return
     w = Worker(a, "on")
     try:
         # 1. every case, greedy, the worker's defaults (templates, early stop, loop detection)
@@ -430,6 +443,33 @@ def main() -> None:
     )
     out.write_text(json.dumps(report, indent=2, ensure_ascii=False, default=str))
     print_tables(report)
+    print(f"wrote {out}", file=sys.stderr)
+
+
+def codegen_only(a: argparse.Namespace, report: dict[str, Any]) -> None:
+    """The codegen-with-tests set through the worker's sandbox: pass@1 and pass@k."""
+    from .codegen_set import TASKS, pass_rates, tested_job
+
+    report["command"] += f" --only codegen --attempts {a.attempts}"
+    w = Worker(a, "codegen")
+    try:
+        got, wall = w.run([tested_job(t, a.attempts) for t in TASKS])
+    finally:
+        w.close()
+    report["codegen_tested"] = {**pass_rates(got, a.attempts), "wall_s": round(wall, 1)}
+    out = Path(
+        a.results
+        or ROOT / "benchmarks" / "results"
+        / f"quality-codegen-{Path(a.model).name}-{report['date']}.json"
+    )  # fmt: skip
+    out.write_text(json.dumps(report, indent=2, ensure_ascii=False, default=str))
+    c = report["codegen_tested"]
+    k = a.attempts
+    print(f"| set | tasks | pass@1 | pass@{k} |\n|---|---|---|---|")
+    print(f"| all | {c['tasks']} | {c['pass@1']:.0%} | {c[f'pass@{k}']:.0%} |")
+    for lang, r in c["by_language"].items():
+        n = sum(1 for x in c["rows"] if x["lang"] == lang)
+        print(f"| {lang} | {n} | {r['pass@1']:.0%} | {r[f'pass@{k}']:.0%} |")
     print(f"wrote {out}", file=sys.stderr)
 
 
