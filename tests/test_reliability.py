@@ -857,6 +857,34 @@ INJECTION = (
 
 
 @pytest.mark.unit
+def test_answers_cut_off_in_a_long_or_numbered_cycle_read_as_loops() -> None:
+    from worker.runner import repeats_at_end
+
+    # Given answers that ran to max_tokens: a JSON array cycling through four items (about 40
+    # tokens a cycle, past the engine's 32), cut off mid-item
+    cycle = ('{"item": "flour", "quantity": "2"}, {"item": "milk", "quantity": "1"}, '
+             '{"item": "eggs", "quantity": "3"}, {"item": "salt", "quantity": "1"}, ')  # fmt: skip
+    recipe = '{"dish": "pancakes", "ingredients": [' + cycle * 5 + '{"item": "fl'
+    # a numbered list repeating one line, and a numbered JSON array whose items differ only in
+    # their numbers
+    warnings = "".join(f"{n}. 注意防范山洪 " for n in range(1, 40))
+    rows = "[" + "".join(f'{{"id": {n}, "name": "row"}}, ' for n in range(1, 60))
+    # Then each reads as a loop
+    assert repeats_at_end(recipe) and repeats_at_end(warnings) and repeats_at_end(rows)
+    # and answers that were only long do not: prose, distinct items, a cycle seen twice
+    prose = (
+        "The council approved the budget after a long debate about transport, schools "
+        "and the new library, which opens next spring in the old market hall. "
+    ) * 2
+    prose = prose[: len(prose) * 2 // 3]
+    items = "[" + ", ".join(f'{{"name": "{w}"}}' for w in "abcdefghijklmnopqrstuvwxyz") + ", "
+    assert not repeats_at_end(prose)
+    assert not repeats_at_end(items)
+    assert not repeats_at_end(cycle * 2)
+    assert not repeats_at_end("")
+
+
+@pytest.mark.unit
 def test_an_output_with_a_huge_integer_is_invalid_json_not_a_crash() -> None:
     # Python's json refuses integers over 4,300 digits with a plain ValueError, which escaped
     # the worker's JSON check and lost the job

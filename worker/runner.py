@@ -7,9 +7,11 @@ a broken engine or lost Redis escapes as an exception (and then the task is rede
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import random
+import re
 import secrets
 import threading
 import time
@@ -429,6 +431,39 @@ def generate(
     return gen  # every run looped: the caller reports it
 
 
+_DIGITS = re.compile(r"\d+")
+# a tail of at least REPEAT_COPIES copies of one chunk of REPEAT_MIN_CHARS to REPEAT_MAX_CHARS
+REPEAT_COPIES = 3
+REPEAT_MIN_CHARS = 16
+REPEAT_MAX_CHARS = 1500
+
+
+def repeats_at_end(text: str) -> bool:
+    """Whether ``text`` ends in one chunk repeated over and over, its numbers aside: a JSON
+    array cycling through the same items (``{"item": "flour"}, {"item": "milk"}, ...``, however
+    many tokens one cycle takes), or a numbered list repeating one line ("13. 注意防范山洪
+    14. 注意防范山洪 ..."). vLLM's repetition detection in the engine stops cycles of up to
+    ``VQUEUE_LOOP_MAX_CYCLE_TOKENS`` tokens of identical ids as they happen; this reads an
+    answer that ran to ``max_tokens`` for the rest, so that it is retried as a loop (a
+    frequency penalty) rather than given more room to loop in. Characters, not tokens: one
+    cycle ends where ``max_tokens`` cut it, anywhere in its text, which periodicity does not
+    mind."""
+    tail = _DIGITS.sub("#", text[-REPEAT_COPIES * REPEAT_MAX_CHARS * 2 :])
+    for p in range(REPEAT_MIN_CHARS, min(REPEAT_MAX_CHARS, len(tail) // REPEAT_COPIES) + 1):
+        w = tail[-REPEAT_COPIES * p :]
+        if w[:-p] == w[p:] and w[:p].strip():
+            return True
+    return False
+
+
+def _as_loop(gen: Generation, loops: Any) -> Generation:
+    """A generation cut off at ``max_tokens`` in a repeating tail (``repeats_at_end``), where
+    loops are watched, ends as a loop, as if the engine had stopped it."""
+    if gen.finish_reason == "length" and loops is not None and repeats_at_end(gen.text):
+        return dataclasses.replace(gen, finish_reason="repetition")
+    return gen
+
+
 def loop_detection(job: Any, settings: Settings) -> Any:
     """vLLM's ``RepetitionDetectionParams`` for the job, or None where loops are not watched.
     Pattern sizes from half the longest cycle to all of it: a cycle of ``c`` tokens repeats as
@@ -473,10 +508,10 @@ def _attempts(
         if penalty and job.temperature > 0:  # a sampled job retries with a new seed too
             seed = job.seed + 1 if job.seed is not None else random.randrange(2**31)
         params = sampling_params(job, max_tokens, temperature, seed, grammar, loops, penalty)
-        gen = engine.generate(
+        gen = _as_loop(engine.generate(
             prompt, params, _left(deadline), prefix_key, priority=job.priority,
             batch=result.batch, salt=salt, lora=engine.adapters.get(result.model or ""),
-        )  # fmt: skip
+        ), loops)  # fmt: skip
         if penalty or gen.finish_reason == "repetition":
             result.attempts.append(_attempt(result, gen, temperature, seed, penalty))
         return gen
@@ -489,10 +524,10 @@ def _attempts(
         params = sampling_params(job, max_tokens, temperature, seed, grammar, loops, penalty)
         left = _left(deadline)
         key = prefix_key if k == 0 else None
-        gen = engine.generate(
+        gen = _as_loop(engine.generate(
             prompt, params, left, key, monitor, priority=job.priority, batch=result.batch,
             salt=salt, lora=engine.adapters.get(result.model or ""),
-        )  # fmt: skip
+        ), loops)  # fmt: skip
         result.attempts.append(_attempt(result, gen, temperature, seed, penalty))
         if not gen.aborted:
             result.low_confidence = result.attempts[-1].low_confidence
