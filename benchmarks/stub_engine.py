@@ -23,12 +23,15 @@ class StubEngine:
 
         self.settings = settings
         self.model_name = "stub"
+        self.model_names = [self.model_name]
         self.adapters: dict[str, Any] = {}  # no LoRA
         self.in_flight = self.max_in_flight = self.jobs_done = 0
         self.started_at = time.time()
         self._lock = threading.Lock()
 
-    def chat_prompt(self, messages: list[dict[str, str]], known: Any = None) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict[str, str]], known: Any = None, tools: Any = None
+    ) -> list[int]:
         # about four characters a token, like a real tokenizer on English
         return [0] * max(1, sum(len(m["content"]) for m in messages) // 4)
 
@@ -62,6 +65,12 @@ class StubEngine:
             completion_tokens=2,
             first_token_at=time.time(),
         )
+
+    def active_batches(self) -> list[str]:
+        return []  # a stub job ends as it starts: none is ever running to abort
+
+    def abort_batch(self, batch: str, reason: str) -> int:
+        return 0
 
     def close(self) -> None:
         pass
