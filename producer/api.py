@@ -382,6 +382,7 @@ class ApiStore:
 
 
 CANCEL_GRACE_S = 30  # a cancelled batch's queued jobs left to the workers this long
+DRAIN_BUDGET_S = 2.0  # a batch's results written out per turn of the mover, at most this long
 
 
 class TooLarge(ValueError):
@@ -631,6 +632,10 @@ class Batches:
         tenant, b = found
         if b.status in FINAL_STATES:
             return b
+        if b.status in ("in_progress", "cancelling"):  # results leave Redis as they arrive
+            with self.store.lock(bid) as mine:
+                if mine:
+                    self._drain(b, budget_s=DRAIN_BUDGET_S)
         if b.status == "validating" or self._unfed(b):
             return self.store.live(self._sweep(tenant, b))
         st = self.store.batches.status(bid)
@@ -694,43 +699,82 @@ class Batches:
         self.feeder.feed(tenant, b.id)
         return b
 
-    def _write_outputs(self, tenant: str, b: BatchObject) -> tuple[str | None, str | None]:
-        """The results as OpenAI output lines: successes in one file, failures in another."""
+    def _drain(self, b: BatchObject, budget_s: float | None = None) -> dict[str, str]:
+        """Append the batch's results recorded since the last call to its output and error
+        files (OpenAI's lines, or vqueue's for ``/v1/vqueue/jobs``), then let them leave Redis:
+        Redis holds a batch's results only until they are on disk here. The files' lengths and
+        the last result written are recorded together after each write, and a call cut short
+        (its process killed) is undone by cutting the files back to the recorded lengths, so
+        every result is written once. The caller holds the batch's lock (``ApiStore.lock``).
+        ``budget_s``: stop after this long even if more results wait (the mover serves every
+        batch in turn); None: until none is left. Returns the state: file ids, counts, sizes."""
+        key = f"{self.store.p}:out:{b.id}"
+        state = self.store.r.hgetall(key)
+        if not state:
+            state = {"ok": "file-" + secrets.token_hex(16), "err": "file-" + secrets.token_hex(16)}
+            state.update(after="0-0", ok_bytes="0", err_bytes="0", ok_n="0", err_n="0")
+            self.store.r.hset(key, mapping=state)
+            self.store.r.expire(key, self.settings.result_ttl_s)
+        page = self.store.batches.read(b.id, state["after"], count=1000)
+        if not page:
+            return state
         vqueue_lines = b.endpoint == "/v1/vqueue/jobs"
+        files = {}
+        try:
+            for k in ("ok", "err"):
+                path = self.store.path(state[k])
+                files[k] = open(path, "r+b" if path.exists() else "wb", opener=_private)
+                files[k].truncate(int(state[f"{k}_bytes"]))  # a cut-short write undone
+                files[k].seek(int(state[f"{k}_bytes"]))
+            started = time.monotonic()
+            while page:
+                counts = {"ok": 0, "err": 0}
+                for _entry, r in page:
+                    line = vqueue_line(r) if vqueue_lines else output_line(r)
+                    k = "ok" if r.status == "completed" else "err"
+                    files[k].write(json.dumps(line).encode() + b"\n")
+                    counts[k] += 1
+                for fh in files.values():
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                state["after"] = page[-1][0]
+                for k in ("ok", "err"):
+                    state[f"{k}_bytes"] = str(files[k].tell())
+                    state[f"{k}_n"] = str(int(state[f"{k}_n"]) + counts[k])
+                self.store.r.hset(key, mapping=state)
+                self.store.batches.take(b.id, state["after"])
+                if budget_s is not None and time.monotonic() - started > budget_s:
+                    break
+                page = self.store.batches.read(b.id, state["after"], count=1000)
+        finally:
+            for fh in files.values():
+                fh.close()
+        return state
+
+    def _write_outputs(self, tenant: str, b: BatchObject) -> tuple[str | None, str | None]:
+        """The output and error files, whole (``_drain``), registered as the tenant's files;
+        one that got no line is removed."""
+        state = self._drain(b)
         names = {"ok": f"{b.id}_output.jsonl", "err": f"{b.id}_error.jsonl"}
-        ids = {k: "file-" + secrets.token_hex(16) for k in names}
-        counts = {"ok": 0, "err": 0}
-        with (
-            open(self.store.path(ids["ok"]), "w", opener=_private) as ok,
-            open(self.store.path(ids["err"]), "w", opener=_private) as err,
-        ):
-            for r in self._results(b.id):
-                line = vqueue_line(r) if vqueue_lines else output_line(r)
-                kind = "ok" if r.status == "completed" else "err"
-                (ok if kind == "ok" else err).write(json.dumps(line) + "\n")
-                counts[kind] += 1
         got: dict[str, str | None] = {}
         after = b.output_expires_after
         ttl = after.seconds if after else self.settings.api_output_ttl_s
         for k in names:
-            size = os.path.getsize(self.store.path(ids[k]))
-            if counts[k]:
-                self.store.register(tenant, ids[k], names[k], "batch_output", size, ttl)
-                got[k] = ids[k]
+            path = self.store.path(state[k])
+            if int(state[f"{k}_n"]):
+                self.store.register(tenant, state[k], names[k], "batch_output", path.stat().st_size,
+                                    ttl)  # fmt: skip
+                got[k] = state[k]
             else:
-                self.store.path(ids[k]).unlink(missing_ok=True)
+                path.unlink(missing_ok=True)
                 got[k] = None
+        self.store.r.delete(f"{self.store.p}:out:{b.id}")
         return got["ok"], got["err"]
 
-    def _results(self, bid: str) -> Iterator[JobResult]:
-        after = "0-0"
-        while True:
-            page = self.store.batches.read(bid, after, count=1000)
-            if not page:
-                return
-            after = page[-1][0]
-            for _entry, r in page:
-                yield r
+    def outputs(self, bid: str) -> dict[str, Any]:
+        """What of a batch's results is on disk so far: file ids, lines, bytes (tests, ops)."""
+        state = self.store.r.hgetall(f"{self.store.p}:out:{bid}")
+        return {k: (v if k in ("ok", "err", "after") else int(v)) for k, v in state.items()}
 
 
 def _progress(b: BatchObject, st: BatchStatus) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -153,6 +154,11 @@ def cli(ctx: click.Context, broker: str | None, queue: str | None, tenant: str |
 )
 @click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
 @click.option(
+    "--take",
+    is_flag=True,
+    help="With --wait --out: results leave Redis once written (else they stay for the TTL).",
+)
+@click.option(
     "--json", "as_json", is_flag=True, help="Print a JSON summary instead of the batch id."
 )
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
@@ -168,19 +174,24 @@ def submit(
     priority: int | None,
     system: str | None,
     timeout: float | None,
+    take: bool,
     as_json: bool,
     quiet: bool,
 ) -> None:
     """Validate FILE (JSONL, '-' for stdin) line by line and enqueue the good lines.
 
     Bad lines are reported with their line numbers and never stop the rest. The exit code is
-    non-zero only when the file itself is unusable (missing, empty, no valid line).
+    non-zero only when the file itself is unusable (missing, empty, no valid line). An input
+    bigger than the batch's window (VQUEUE_FEED_WINDOW) is fed as workers finish jobs; if
+    this process dies, the same command with --batch ID resumes the feed where it stopped.
     """
     from .client import new_batch_id
     from .inputs import parse_lines, read_lines
 
     if (out_path or errors_path) and not wait:
         fail("--out and --errors need --wait (or use 'vqueue results BATCH' later)", RET_USAGE)
+    if take and not out_path:
+        fail("--take needs --wait and --out: results leave Redis once written there", RET_USAGE)
     _check_batch(batch_id)
     try:
         fh: BinaryIO = sys.stdin.buffer if file == "-" else open(file, "rb")  # noqa: SIM115
@@ -189,18 +200,15 @@ def submit(
     client = obj.client
     batch = batch_id or new_batch_id()
     size = os.fstat(fh.fileno()).st_size if file != "-" else None
+    source = None if file == "-" else os.path.abspath(file)
+    skip = 0 if force or source is None else _resume_at(client, batch, source)
     with ExitStack() as stack:
         stack.enter_context(fh)
         # opened before anything is enqueued: a path that cannot be written fails here, alone
         out_file = _open_for_writing(stack, out_path, "--out")
         errors_out = _open_for_writing(stack, errors_path, "--errors")
         bar = _bar(quiet, total=size, unit="B", unit_scale=True, desc="submit")
-        created = client.store.create(
-            batch,
-            "vqueue",
-            source=None if file == "-" else os.path.abspath(file),
-            queue=client.settings.queue,
-        )
+        created = client.store.create(batch, "vqueue", source=source, queue=client.settings.queue)
         good = rejected = 0
 
         def reject(line_no: int, ident: str | None, error: str) -> None:
@@ -223,7 +231,8 @@ def submit(
 
         def envelopes() -> Iterator[Envelope]:
             """The good lines as envelopes; bad ones are reported here and skipped: whatever a
-            line holds, it is rejected alone, never the file."""
+            line holds, it is rejected alone, never the file. A resumed feed checks the lines
+            its first run sent (so ``rejected`` counts the whole input) and sends the rest."""
             nonlocal good
             for p in parse_lines(lines(), default_priority=priority, default_system=system):
                 if p.error is not None:
@@ -233,6 +242,9 @@ def submit(
                 if name is not None and not client.template_known(name):
                     error = f"unknown template {name!r} (see 'vqueue templates list')"
                     reject(p.line, p.job.id, error)
+                    continue
+                if good < skip:
+                    good += 1
                     continue
                 try:
                     env = Envelope(
@@ -248,24 +260,66 @@ def submit(
 
         from .client import Refused, SubmissionStopped
 
-        try:
-            handle = client.submit_many(envelopes(), batch=batch, seal=False, force=force)
-        except Refused as exc:
-            client.store.seal(batch, rejected=rejected)
-            fail(f"{exc}; the jobs before it are enqueued in batch {batch}", RET_REFUSED)
-        except SubmissionStopped as exc:
+        started = threading.Event()  # the first jobs are in Redis, or the feed ended
+        outcome: dict[str, Any] = {}
+        st: BatchStatus | None = None
+
+        def feed() -> None:
+            """Send the input and seal the batch; a failure is kept for the main thread, which
+            may be following results meanwhile (a big input is fed as workers finish jobs)."""
+            try:
+                outcome["handle"] = client.submit_many(
+                    envelopes(), batch=batch, seal=False, force=force, position=skip,
+                    on_progress=lambda _n: started.set(),
+                )  # fmt: skip
+                client.store.seal(batch, rejected=rejected, fed_all=True)
+            except SubmissionStopped as exc:
+                with contextlib.suppress(redis.RedisError):  # the lines rejected, counted
+                    client.store.stop_submission(batch, exc.reason, rejected)
+                outcome["error"] = exc
+            except BaseException as exc:
+                # whatever stopped submission (Redis gone, a refusal), the jobs already sent
+                # still form a batch that can finish and be read; its feed can be resumed
+                with contextlib.suppress(Exception):
+                    client.store.seal(batch, rejected=rejected)
+                outcome["error"] = exc
+            finally:
+                started.set()
+
+        def feed_failed() -> None:
+            exc = outcome.get("error")
+            if exc is None:
+                return
             bar.close()
-            with contextlib.suppress(redis.RedisError):  # the lines rejected, counted
-                client.store.stop_submission(batch, exc.reason, rejected)
-            click.echo(batch)  # as on success: a script reads the batch id from stdout
-            fail(str(exc), RET_STOPPED)
-        except BaseException:
-            # whatever stopped submission (Redis gone, Ctrl-C), the jobs already sent still
-            # form a batch that can finish and be read
-            with contextlib.suppress(Exception):
-                client.store.seal(batch, rejected=rejected)
-            raise
-        client.store.seal(batch, rejected=rejected)
+            if isinstance(exc, Refused):
+                fail(f"{exc}; the jobs before it are enqueued in batch {batch}", RET_REFUSED)
+            if isinstance(exc, SubmissionStopped):
+                click.echo(batch)  # as on success: a script reads the batch id from stdout
+                fail(str(exc), RET_STOPPED)
+            raise exc
+
+        feeder = threading.Thread(target=feed, name="vqueue-feed", daemon=True)
+        feeder.start()
+        try:
+            if wait:  # results are read while the rest of the input is fed
+                while not started.wait(0.5):
+                    pass
+                if feeder.is_alive() or (outcome.get("handle") and good > 0):
+                    if not as_json:
+                        click.echo(batch)
+                        sys.stdout.flush()
+                    st = _follow(client, batch, out_file, errors_out, quiet, timeout, take, feeder)
+            while feeder.is_alive():
+                feeder.join(0.5)
+        except KeyboardInterrupt:
+            feeder.join(2.0)  # a feed about to end ends: only the wait was interrupted
+            if feeder.is_alive():
+                _say(f"the feed of batch {batch} stopped after {good - skip} more jobs; send the "
+                     f"rest with: vqueue submit {file} --batch {batch}")  # fmt: skip
+                sys.exit(RET_INTERRUPTED)
+            _interrupted(batch)
+        feed_failed()
+        handle = outcome["handle"]
         bar.close()
         if rejected > MAX_ECHOED_ERRORS:
             click.echo(
@@ -288,13 +342,10 @@ def submit(
                 _say(f"{skipped} job(s) skipped: their ids already have results in batch {batch}")
             good -= handle.skipped
             click.echo(f"batch {batch}: {good} jobs enqueued, {rejected} lines rejected", err=True)
-            if not as_json:
-                click.echo(batch)
-                sys.stdout.flush()
-            st = None
-            if wait:
-                st = _follow(client, batch, out_file, errors_out, quiet, timeout)
-            else:
+            if not wait:
+                if not as_json:
+                    click.echo(batch)
+                    sys.stdout.flush()
                 _warn_if_nobody_consumes(client)
             if as_json:
                 summary: dict[str, Any] = {"batch": batch, "enqueued": good, "rejected": rejected}
@@ -303,6 +354,26 @@ def submit(
                 click.echo(json.dumps(summary))
         except KeyboardInterrupt:
             _interrupted(batch)
+
+
+def _resume_at(client: Any, batch: str, source: str) -> int:
+    """Where a feed of ``source`` into ``batch`` that did not finish stopped (its process
+    killed, Redis full, Ctrl-C): the jobs before it are sent and are not sent again. Refuses
+    while that feed still runs."""
+    from .client import feed_stopped
+
+    fed, fed_at, was, by = client.store.feed_state(batch)
+    if fed is None or was != source:
+        return 0
+    if not feed_stopped(fed_at, by):
+        quiet_s = time.time() - (fed_at or 0)
+        fail(
+            f"batch {batch} is being fed from {source} by another process (it showed it was "
+            f"alive {quiet_s:.0f}s ago); wait for it, or stop it and submit again",
+            RET_USAGE,
+        )
+    _say(f"batch {batch}: resuming its feed after the {fed} jobs already sent")
+    return fed
 
 
 def _bar(quiet: bool, **kw: Any) -> Any:
@@ -327,11 +398,16 @@ def _follow(
     errors: IO[str] | None,
     quiet: bool,
     timeout: float | None,
+    take: bool = False,
+    feeder: threading.Thread | None = None,
 ) -> BatchStatus:
-    """Stream results to the files with a done/failed/rate/ETA bar until the batch is done."""
+    """Stream results to the files with a done/failed/rate/ETA bar until the batch is done.
+    ``take``: results leave Redis once they are written (and flushed to disk) here.
+    ``feeder``: the thread still feeding the batch, whose total grows meanwhile."""
     from .client import Stalled, WaitTimeout
 
-    st = client.batch(batch).status()
+    handle = client.batch(batch)
+    st = handle.status()
     bar = _bar(
         quiet,
         total=st.total,
@@ -339,14 +415,30 @@ def _follow(
         desc="done",
         bar_format="{desc}: {n}/{total} {postfix} |{bar}| {rate_fmt} ETA {remaining}",
     )
-    failed = 0
+    failed = unsaved = 0
+    saved_at = time.monotonic()
+
+    def save() -> None:
+        """Flush what was written; with ``take``, then let the results leave Redis."""
+        nonlocal unsaved, saved_at
+        _flush(out, errors)
+        if take and handle.last_entry != "0-0":
+            client.store.take(batch, handle.last_entry)
+        unsaved, saved_at = 0, time.monotonic()
+
     try:
-        for res in client.batch(batch).results(timeout=timeout):
+        for res in handle.results(timeout=timeout):
             _write_result(res, out, errors)
             if res.status == "failed":
                 failed += 1
                 bar.set_postfix_str(f"failed {failed}", refresh=False)
             bar.update(1)
+            unsaved += 1
+            if unsaved >= 1000 or time.monotonic() - saved_at > 1.0:
+                if feeder is not None and feeder.is_alive():
+                    bar.total = handle.status().total
+                save()
+        save()
     except WaitTimeout as exc:
         bar.close()
         fail(str(exc), RET_TIMEOUT)
@@ -406,6 +498,21 @@ def _batch_status(client: Any, batch: str, as_json: bool) -> str:
         f" {rate:.2f} jobs/s, ETA {eta_txt}"
         + (f"; prefix cache {hits:.0%} of prompt tokens" if hits is not None else "")
         + (f"\nsubmission stopped: {st.error}" if st.error else "")
+        + _feed_line(batch, st)
+    )
+
+
+def _feed_line(batch: str, st: BatchStatus) -> str:
+    """How a feed not finished stands: alive, or stopped and waiting to be resumed."""
+    from .client import feed_stopped
+
+    if st.fed is None:
+        return ""
+    if not st.sealed and not feed_stopped(st.fed_at, st.fed_by):
+        return f"\nfeeding: {st.fed} jobs of its input sent so far"
+    return (
+        f"\nits feed stopped after {st.fed} jobs of its input; submit the same input again "
+        f"with --batch {batch} to send the rest"
     )
 
 
@@ -478,6 +585,11 @@ def describe_plan(plan: dict[str, Any]) -> str:
 @click.option("--wait", is_flag=True, help="Follow the batch until its last result.")
 @click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
 @click.option("--table", is_flag=True, help="A readable table instead of JSONL.")
+@click.option(
+    "--take",
+    is_flag=True,
+    help="Results leave Redis once written (else they stay for VQUEUE_RESULT_TTL_S).",
+)
 @click.pass_obj
 def results(
     obj: Ctx,
@@ -487,32 +599,69 @@ def results(
     wait: bool,
     timeout: float | None,
     table: bool,
+    take: bool,
 ) -> None:
-    """Write a batch's results as JSONL (OpenAI batch output lines for OpenAI-format jobs)."""
+    """Write a batch's results as JSONL (OpenAI batch output lines for OpenAI-format jobs).
+
+    With --take each result leaves Redis once it is written and flushed: a second read finds
+    only what came since. The batch's counts stay, and its jobs never run again."""
     from .client import BatchNotFound, Stalled, WaitTimeout
 
     _check_batch(batch)
+    if take and table:
+        fail("--take writes JSONL: it cannot go with --table", RET_USAGE)
     client = obj.client
+    handle = client.batch(batch)
     try:
-        client.batch(batch).status()
+        handle.status()
     except BatchNotFound as exc:
         fail(str(exc), RET_NOT_FOUND)
+
+    def pairs() -> Iterator[tuple[str, JobResult]]:
+        if wait:
+            for res in handle.results(timeout=timeout):
+                yield handle.last_entry, res
+            return
+        after = "0-0"
+        while page := client.store.read(batch, after):
+            for after, res in page:
+                yield after, res
+
     with ExitStack() as stack:
         out = _open_for_writing(stack, out_path, "--out") or sys.stdout
         errors = _open_for_writing(stack, errors_path, "--errors")
-        it = client.batch(batch).results(timeout=timeout) if wait else client.store.iter_all(batch)
         try:
             if table:
-                out.write(render_table(sorted(it, key=lambda r: r.id)) + "\n")
+                rows = sorted((r for _, r in pairs()), key=lambda r: r.id)
+                out.write(render_table(rows) + "\n")
                 return
-            for res in it:
+            last, unsaved = "", 0
+            for last, res in pairs():
                 _write_result(res, out, errors)
+                unsaved += 1
+                if take and unsaved >= 1000:
+                    _flush(out, errors)
+                    client.store.take(batch, last)
+                    unsaved = 0
+            if take and last:
+                _flush(out, errors)
+                client.store.take(batch, last)
         except KeyboardInterrupt:
             _interrupted(batch)
         except WaitTimeout as exc:
             fail(str(exc), RET_TIMEOUT)
         except Stalled as exc:
             fail(str(exc), RET_STALLED)
+
+
+def _flush(*files: IO[str] | None) -> None:
+    """Written results on disk (as far as the files are files), before they leave Redis."""
+    for fh in files:
+        if fh is None:
+            continue
+        fh.flush()
+        with contextlib.suppress(OSError, ValueError):  # a pipe or a terminal: nothing to sync
+            os.fsync(fh.fileno())
 
 
 def _open_for_writing(stack: ExitStack, path: str | None, option: str) -> IO[str] | None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -34,6 +36,13 @@ PUBLISH_CHUNK = 1000
 # than waiting for a whole chunk of 1,000
 PUBLISH_FIRST = 32
 PUBLISH_CHUNK_BYTES = 16 * 1024 * 1024
+# the smallest automatic feed window (Settings.feed_window): enough that a batch of ordinary
+# size goes into Redis whole, and workers that start later find work waiting
+FEED_WINDOW_MIN = 10_000
+# how often the automatic window is sized again from the live workers
+FEED_WINDOW_REFRESH_S = 10.0
+# a feed that has not shown it is alive for this long is taken for dead (its process killed)
+FEED_STALE_S = 30.0
 
 
 class VQueueError(Exception):
@@ -69,6 +78,20 @@ class SubmissionStopped(VQueueError):
         self.batch, self.sent, self.reason = batch, sent, reason
 
 
+def feed_stopped(fed_at: float | None, fed_by: str | None) -> bool:
+    """Whether a feed not finished has stopped: its process, on this host, is gone, or it
+    has not shown it was alive for ``FEED_STALE_S``."""
+    host, _, pid = (fed_by or "").rpartition(":")
+    if host == socket.gethostname() and pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # another user's process, alive
+            pass
+    return time.time() - (fed_at or 0) > FEED_STALE_S
+
+
 def new_batch_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
 
@@ -95,7 +118,7 @@ class _Follow:
         now = time.monotonic()
         self.done, self.progress_at = -1, now
         self.checked_at, self.alone_since = 0.0, None  # type: float, float | None
-        self.told_alone = self.told_stall = False
+        self.told_alone = self.told_stall = self.told_feed = False
 
     def check(self) -> bool:
         """After a wait that brought nothing: True once every job has a result (read once
@@ -115,6 +138,12 @@ class _Follow:
         if now - self.checked_at >= LIVENESS_CHECK_S:
             self.checked_at = now
             self._check_workers(now, st.remaining)
+            if st.fed is not None and not self.told_feed and feed_stopped(st.fed_at, st.fed_by):
+                self.told_feed = True
+                self._say(
+                    f"batch {self.batch.id}: its feed stopped after {st.fed} jobs of its input; "
+                    f"submit the same input again with --batch {self.batch.id} to send the rest"
+                )
         idle = now - self.progress_at
         if self.stall_s and idle > self.stall_s:
             raise Stalled(
@@ -248,6 +277,7 @@ class Client:
             self.store, self.broker, s.queue, s.route_spill_depth, by_prefix=s.prefix_routing,
             wait=s.unserved_model == "wait",
         )  # fmt: skip
+        self._window, self._window_at = FEED_WINDOW_MIN, -FEED_WINDOW_REFRESH_S
 
     def batch(self, batch_id: str) -> Batch:
         return Batch(self, batch_id)
@@ -278,11 +308,14 @@ class Client:
         """
         batch_id = batch or new_batch_id()
         self.store.create(batch_id, "vqueue", source, queue=self.settings.queue)
+        if position is not None:
+            self.store.feed_start(batch_id, f"{socket.gethostname()}:{os.getpid()}")
         chunk: list[Envelope] = []
         size = skipped = 0
         # a chunk never outgrows the queue-depth limit, or it could never be admitted; chunks
         # grow from PUBLISH_FIRST to PUBLISH_CHUNK, doubling
         cap = min(PUBLISH_CHUNK, self.settings.max_queue_depth or PUBLISH_CHUNK)
+        cap = min(cap, max(self.window() // 4, 1))  # a window passes several chunks at once
         chunk_jobs = min(PUBLISH_FIRST, cap)
         sent = 0
         try:
@@ -307,7 +340,7 @@ class Client:
         except redis.RedisError as exc:
             raise self._stopped(batch_id, sent - skipped, exc) from None
         if seal:
-            self.store.seal(batch_id)
+            self.store.seal(batch_id, fed_all=True)
         b = Batch(self, batch_id)
         b.skipped = skipped
         return b
@@ -376,7 +409,7 @@ class Client:
         """
         from protocol.wire import task_message
 
-        self._admit(len(envelopes))
+        self._admit(len(envelopes), batch_id)
         if force:  # a forced re-run: withdraw the results these ids have
             for e in envelopes:
                 self.store.forget(batch_id, e.job.id)
@@ -391,7 +424,7 @@ class Client:
         todo = [e for e, f in zip(envelopes, flags, strict=True) if f >= 0]
         self._send(todo)
         if fed is not None:  # after the send: a feed that dies between resends, never skips
-            self.store.r.hset(self.store.key(batch_id), "fed", fed)
+            self.store.r.hset(self.store.key(batch_id), mapping={"fed": fed, "fed_at": time.time()})
         return len(envelopes) - len(todo)
 
     def _route(self, envelopes: list[Envelope]) -> list[tuple[str, list[Envelope]]]:
@@ -417,8 +450,27 @@ class Client:
         for queue, group in self._route(envelopes):
             send_envelopes(self.broker, group, queue)
 
-    def _admit(self, n: int) -> None:
-        """Wait (or refuse) until the tenant's rate and the queue's depth admit ``n`` more."""
+    def window(self) -> int:
+        """Jobs of one batch that may be in Redis at once (``Settings.feed_window``); by
+        default four times what the live workers on this queue hold in flight, so each has
+        its next jobs waiting, and at least ``FEED_WINDOW_MIN``."""
+        if self.settings.feed_window:
+            return self.settings.feed_window
+        now = time.monotonic()
+        if now - self._window_at >= FEED_WINDOW_REFRESH_S:
+            self._window_at = now
+            held = sum(
+                int(w.get("max_in_flight") or w.get("concurrency") or 0)
+                for w in self.store.workers()
+                if w.get("queue") == self.settings.queue and w.get("routed")
+            )
+            self._window = max(FEED_WINDOW_MIN, 4 * held)
+        return self._window
+
+    def _admit(self, n: int, batch_id: str | None = None) -> None:
+        """Wait (or refuse) until the tenant's rate and the queue's depth admit ``n`` more;
+        then, for a batch, wait until its window has room (never refused: the window is how a
+        big input is fed, not a limit on it)."""
         s = self.settings
         rate, burst = s.tenant_rate(s.tenant), s.rate_limit_burst
         taken = 0
@@ -426,6 +478,8 @@ class Client:
             bite = min(n - taken, burst)
             wait = self.store.take_tokens(s.tenant, bite, rate, burst)
             if wait:
+                if batch_id is not None:
+                    self.store.feed_alive(batch_id)
                 self._pause(f"tenant {s.tenant!r} is over its {rate:g} jobs/s", wait)
             else:
                 taken += bite
@@ -434,7 +488,21 @@ class Client:
             if depth + n <= s.max_queue_depth:
                 return
             limit = f"VQUEUE_MAX_QUEUE_DEPTH={s.max_queue_depth}"
+            if batch_id is not None:
+                self.store.feed_alive(batch_id)
             self._pause(f"queue {s.queue!r} is full ({limit})", 1.0)
+        while batch_id is not None:
+            window = self.window()
+            held = self.store.unfinished(batch_id)
+            if held + n <= window or held <= 0:
+                return
+            self.store.feed_alive(batch_id)
+            why = (f"batch {batch_id} holds its window of {window} jobs in Redis; the rest of "
+                   "the input follows as workers finish them")  # fmt: skip
+            if self.on_wait and why != self._told:
+                self.on_wait(f"feeding: {why}")
+            self._told = why
+            time.sleep(0.2)
 
     def _pause(self, why: str, seconds: float) -> None:
         if self.settings.on_limit == "refuse":

@@ -75,7 +75,8 @@ return flags
 """
 
 # KEYS: batch hash, done hash, then the queue lists. ARGV: ttl, the feed's position after this
-# chunk ("" for none), then per job: its id, the index in KEYS of its list, its message. Claims
+# chunk ("" for none), the time, then per job: its id, the index in KEYS of its list, its
+# message. Claims
 # each id as _CLAIM does and pushes the message of each not yet done, in one step. Redis (6 and
 # 7 alike) refuses a script's write for memory only until its first write has run, and the first
 # command here is a write: out of memory, the chunk is refused before anything is written, else
@@ -83,7 +84,7 @@ return flags
 # moved.
 _CLAIM_SEND = """
 local flags, new = {}, 0
-for i = 3, #ARGV, 3 do
+for i = 4, #ARGV, 3 do
   local id, flag = ARGV[i], -1
   if redis.call('HSETNX', KEYS[2], id, '') == 1 then
     new, flag = new + 1, 1
@@ -94,7 +95,7 @@ for i = 3, #ARGV, 3 do
   flags[#flags + 1] = flag
 end
 if new > 0 then redis.call('HINCRBY', KEYS[1], 'total', new) end
-if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'fed', ARGV[2]) end
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'fed', ARGV[2], 'fed_at', ARGV[3]) end
 redis.call('EXPIRE', KEYS[2], ARGV[1])
 return flags
 """
@@ -349,7 +350,7 @@ class BatchStore:
         claimed or sent, and the position did not move."""
         lists = list(dict.fromkeys(key for _, key, _ in jobs))
         at = {key: i + 3 for i, key in enumerate(lists)}  # Lua counts KEYS from 1
-        args: list[Any] = [self.ttl_s, "" if fed is None else fed]
+        args: list[Any] = [self.ttl_s, "" if fed is None else fed, time.time()]
         for ident, key, message in jobs:
             args += [ident, at[key], message]
         keys = [self.key(batch), self.key(batch, "done"), *lists]
@@ -359,6 +360,32 @@ class BatchStore:
         """How many of the batch's input jobs a feed sent (``claim_send``'s ``fed``): a feed
         that resumes after its process died starts there, so no job is sent twice."""
         return int(self.r.hget(self.key(batch), "fed") or 0)
+
+    def feed_state(self, batch: str) -> tuple[int | None, float | None, str, str]:
+        """(jobs sent, when the feed last showed it was alive, the input it reads, the process
+        feeding it as host:pid) of a feed that has not finished; (None, None, source, by)
+        when none is unfinished."""
+        fed, at, source, by = self.r.hmget(self.key(batch), "fed", "fed_at", "source", "fed_by")
+        return (
+            None if fed is None else int(fed),
+            None if at is None else float(at),
+            source or "",
+            by or "",
+        )
+
+    def feed_start(self, batch: str, by: str) -> None:
+        """A feed of the batch's input starts in process ``by`` (host:pid)."""
+        self.r.hset(self.key(batch), mapping={"fed_by": by, "fed_at": time.time()})
+
+    def feed_alive(self, batch: str) -> None:
+        """A feed waiting on its window says it is alive (``fed_at``), as each chunk does."""
+        self.r.hset(self.key(batch), "fed_at", time.time())
+
+    def unfinished(self, batch: str) -> int:
+        """The batch's jobs enqueued and not finished: queued, reserved or running, which is
+        what of it Redis holds as messages, the quantity a feed's window bounds."""
+        total, completed, failed = self.r.hmget(self.key(batch), "total", "completed", "failed")
+        return int(total or 0) - int(completed or 0) - int(failed or 0)
 
     def stop_submission(self, batch: str, reason: str, rejected: int = 0) -> None:
         """Seal a batch whose submission stopped early, saying why (``BatchStatus.error``):
@@ -375,13 +402,17 @@ class BatchStore:
         parts = ("", "done", "results", "attempts")
         self.r.delete(*(self.key(batch, p) for p in parts))
 
-    def seal(self, batch: str, rejected: int = 0) -> None:
+    def seal(self, batch: str, rejected: int = 0, fed_all: bool = False) -> None:
         """Mark submission finished: from now on ``total`` is final, and waiting can end.
-        ``rejected`` counts the input lines refused at submit."""
+        ``rejected`` counts the input lines refused at submit. ``fed_all``: the whole input
+        was sent, so no feed is left to resume (a feed interrupted keeps its position: the
+        same input submitted again with the batch id goes on from there)."""
         pipe = self.r.pipeline()
         if rejected:
             pipe.hincrby(self.key(batch), "rejected", rejected)
         pipe.hset(self.key(batch), "sealed", 1)
+        if fed_all:
+            pipe.hdel(self.key(batch), "fed", "fed_at", "fed_by")
         pipe.execute()
 
     def take_tokens(
@@ -427,6 +458,10 @@ class BatchStore:
             completion_tokens=int(h.get("completion_tokens", 0)),
             model=h.get("model") or None,
             error=h.get("error") or None,
+            sealed=h.get("sealed") == "1",
+            fed=int(h["fed"]) if h.get("fed") else None,
+            fed_at=float(h["fed_at"]) if h.get("fed_at") else None,
+            fed_by=h.get("fed_by") or None,
         )
 
     def is_sealed(self, batch: str) -> bool:
@@ -447,6 +482,14 @@ class BatchStore:
             resp = self.r.xread({stream: after}, count=count, block=block_ms)
             entries = resp[0][1] if resp else []
         return [(eid, JobResult.model_validate_json(f["result"])) for eid, f in entries]
+
+    def take(self, batch: str, upto: str) -> int:
+        """The results up to stream entry ``upto`` leave Redis: their reader has them safe
+        (``vqueue results --take``, the HTTP API's output files). The batch's counts and each
+        job's done mark stay, so no job runs again; how many entries went."""
+        ms, seq = upto.split("-")
+        return int(self.r.xtrim(self.key(batch, "results"), minid=f"{ms}-{int(seq) + 1}",
+                                approximate=False))  # fmt: skip
 
     def iter_all(self, batch: str) -> Iterator[JobResult]:
         after = "0-0"

@@ -234,6 +234,13 @@ class BatchStatus(BaseModel):
     # why submission stopped before the whole input was enqueued (Redis full, say); the jobs
     # counted in ``total`` were enqueued and run, and the batch ends when they have
     error: str | None = None
+    sealed: bool = False  # submission finished: ``total`` is final
+    # a feed not finished: how many of its input's jobs it sent, and when it last showed it
+    # was alive (a feed whose process died stops showing; submitting the same input again with
+    # the batch id resumes it)
+    fed: int | None = None
+    fed_at: float | None = None
+    fed_by: str | None = None  # the feeding process, host:pid
 
     @property
     def prefix_hit_rate(self) -> float | None:

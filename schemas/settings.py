@@ -277,6 +277,11 @@ class Settings(BaseSettings):
     rate_limits: dict[str, float] = Field(default_factory=dict)
     # jobs waiting in the queue beyond which submit waits for room (or refuses); 0: no limit
     max_queue_depth: int = Field(default=0, ge=0)
+    # a batch's jobs in Redis at once (queued, reserved or running): a bigger input is fed as
+    # workers finish jobs, the input file being the buffer, and its feed's place is kept in
+    # Redis (a feed whose process died is resumed by submitting the same input again with the
+    # batch id). 0: four times what the live workers hold in flight, at least 10,000.
+    feed_window: int = Field(default=0, ge=0)
     # send each job to the live worker its prefix key hashes to (rendezvous hashing), so a
     # prefix is computed on one GPU; a worker with this many jobs waiting in its own queue is
     # skipped for the least-loaded one (0: the worker's concurrency)

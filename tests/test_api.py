@@ -216,6 +216,14 @@ def test_cancel_mid_run_keeps_what_finished(api: Api, tmp_path: Path, redis_clie
     more = running.request_counts.completed + 2
     wait_for(lambda: sdk.batches.retrieve(b.id).request_counts.completed >= more, 600, "more")
     assert redis_client.hget(key, "obj") == stored
+    # and the output file grows as results arrive, each leaving Redis once written there
+    out_key = f"{KEY_PREFIX}:api:out:{b.id}"
+    wait_for(lambda: int(redis_client.hget(out_key, "ok_n") or 0) >= 1, 30, "a line written")
+    ok_path = api.files / redis_client.hget(out_key, "ok")
+    size = ok_path.stat().st_size
+    wait_for(lambda: ok_path.stat().st_size > size, 600, "the output file to grow")
+    stream = f"{KEY_PREFIX}:batch:{b.id}:results"
+    wait_for(lambda: redis_client.xlen(stream) == 0, 30, "the written results to leave Redis")
     # When it is cancelled once some have finished
     c = sdk.batches.cancel(b.id)
     assert c.status == "cancelling" and c.cancelling_at
@@ -228,6 +236,7 @@ def test_cancel_mid_run_keeps_what_finished(api: Api, tmp_path: Path, redis_clie
     errs = list(_lines(sdk, done.error_file_id))
     assert len(out) == counts.completed and len(errs) == counts.failed
     assert {x["error"]["code"] for x in errs} == {"cancelled"}
+    assert done.output_file_id == ok_path.name  # the file that grew is the output file
 
 
 def test_a_short_completion_window_expires_the_batch_with_partial_output(

@@ -199,6 +199,69 @@ def test_ctrl_c_while_waiting_exits_130_and_says_how_to_wait_again(
     assert f"vqueue results {batch} --wait" in err.decode() and b"Traceback" not in err
 
 
+def test_a_feed_killed_mid_input_resumes_where_it_stopped_each_job_once(
+    cli: Cli, procs: Procs, tmp_path: Path
+) -> None:
+    import sys
+    import threading
+    import time
+
+    from .conftest import KEY_PREFIX, WORKDIR, kill_group, wait_for, worker_env
+
+    r = redis.Redis.from_url(cli.url, decode_responses=True)
+    src, batch, window = _jobs(tmp_path / "big.jsonl", 150), "fedtwice", 20
+    env = worker_env("feed", VQUEUE_BROKER_URL=cli.url, VQUEUE_FEED_WINDOW=str(window))
+    # Given an input bigger than its window, fed into a queue no worker consumes yet
+    feeder = procs.popen(
+        [sys.executable, "-m", "producer.cli", "submit", str(src), "--batch", batch, "-q"],
+        cwd=WORKDIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+    def status() -> dict[str, Any]:  # {} until the feed has made the batch
+        proc = cli("status", batch, "--json", queue="feed")
+        return json.loads(proc.stdout) if proc.returncode == 0 else {}
+
+    wait_for(lambda: (status().get("fed") or 0) >= window // 2, 60, "the first chunks")
+    time.sleep(1)
+    # Then the window holds: the feed waits with the rest of the input unsent
+    held = status()
+    assert held["total"] <= window and held["fed"] == held["total"], held
+    assert feeder.poll() is None
+    # When the feeding process is killed, a worker starts, and the same input is submitted
+    # again into the batch, following it to the end and taking its results out of Redis
+    kill_group(feeder)
+    assert "its feed stopped" in cli("status", batch, queue="feed").stdout.decode()
+    w = procs.fake_worker("feed", cli.url, delay=0.01, concurrency=8, queue="feed")
+    w.wait_ready(r, timeout=120)
+    out = tmp_path / "out.jsonl"
+    peak = [0]
+    watching = threading.Event()
+
+    def watch() -> None:  # the batch's jobs in Redis, sampled while the resumed feed runs
+        while not watching.is_set():
+            h = r.hmget(f"{KEY_PREFIX}:batch:{batch}", "total", "completed",
+                        "failed")  # fmt: skip
+            peak[0] = max(peak[0], int(h[0] or 0) - int(h[1] or 0) - int(h[2] or 0))
+            time.sleep(0.01)
+
+    threading.Thread(target=watch, daemon=True).start()
+    again = cli("submit", str(src), "--batch", batch, "--wait", "--out", str(out), "--take",
+                "-q", queue="feed", VQUEUE_FEED_WINDOW=str(window))  # fmt: skip
+    watching.set()
+    # Then it resumes after the jobs sent, every job runs once, and the window held throughout
+    assert again.returncode == 0, again.stderr
+    assert f"resuming its feed after the {held['fed']} jobs already sent" in again.stderr.decode()
+    ids = [json.loads(x)["id"] for x in out.read_text().splitlines()]
+    assert sorted(ids) == sorted(f"j{i}" for i in range(150))
+    prefix = KEY_PREFIX
+    assert set(r.hvals(f"{prefix}:batch:{batch}:attempts")) == {"1"}  # one delivery each
+    assert 0 < peak[0] <= window
+    # and the results left Redis once written, the counts staying
+    assert r.xlen(f"{prefix}:batch:{batch}:results") == 0
+    final = status()
+    assert (final["total"], final["completed"], final["fed"]) == (150, 150, None)
+
+
 @pytest.mark.unit
 def test_the_results_table_stays_aligned_with_wide_characters() -> None:
     from producer.cli import _cells, render_table
