@@ -100,6 +100,12 @@ class Settings(BaseSettings):
     # weights' quantization as vLLM names it (awq, gptq, fp8, bitsandbytes, ...); None: as the
     # checkpoint says. A .gguf VQUEUE_MODEL is dequantized on load instead (worker/models.py).
     quantization: str | None = None
+    # the KV cache's element type: "auto" as the model computes; "fp8" (e4m3 on Hopper) halves
+    # each token's cache, so twice the tokens fit in the same memory (CUDA GPUs)
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    # vLLM's attention backend by its name (FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, ...);
+    # None: vLLM picks for the device
+    attention_backend: str | None = None
     # GiB of weights kept in CPU memory and streamed to the GPU each step (a model too big for it)
     cpu_offload_gb: float = Field(default=0.0, ge=0)
     tensor_parallel_size: int = Field(default=1, ge=1)  # `--gpus 0,1` sets it from the GPU count

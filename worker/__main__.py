@@ -178,7 +178,8 @@ def _check(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(report))
         return
-    for key in ("vllm", "torch", "device", "gpus", "model", "model_path", "plugin_registered"):
+    keys = ("vllm", "torch", "device", "gpus", "model", "model_path", "quantization", "dtype")
+    for key in (*keys, "kv_cache_dtype", "plugin_registered"):
         click.echo(f"{key:<18} {report[key]}")
     click.echo(f"{'model_runner':<18} {report['model_runner']}")
     click.echo(f"{'early_stop':<18} {report['monitor']}")

@@ -122,6 +122,10 @@ def engine_kwargs(s: Settings, model_path: str) -> dict[str, Any]:
         kwargs["load_format"] = s.load_format
     if s.quantization:
         kwargs["quantization"] = s.quantization
+    if s.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = s.kv_cache_dtype
+    if s.attention_backend:
+        kwargs["attention_backend"] = s.attention_backend
     if s.cpu_offload_gb:
         kwargs["cpu_offload_gb"] = s.cpu_offload_gb
     kv_bytes = s.kv_cache_memory_bytes
@@ -238,7 +242,7 @@ def check(settings: Settings) -> dict[str, Any]:
     cuda, gpus = has_cuda(), gpu_count()
     check_engine_settings(settings, cuda, gpus)
     model_path = resolve_model(settings.model)
-    _, p = configure_engine(settings, engine_kwargs(settings, model_path))
+    config, p = configure_engine(settings, engine_kwargs(settings, model_path))
     device = torch.cuda.get_device_name(0) if cuda else "cpu"
     return {
         "vllm": p.vllm,
@@ -247,6 +251,12 @@ def check(settings: Settings) -> dict[str, Any]:
         "gpus": gpus,
         "model": settings.model,
         "model_path": model_path,
+        # as vLLM resolved them: the checkpoint's or the setting's weight format (a Hopper
+        # card runs gptq and awq through Marlin kernels: gptq_marlin), the compute dtype, and
+        # the KV cache's element type
+        "quantization": config.model_config.quantization or "none",
+        "dtype": str(config.model_config.dtype).removeprefix("torch."),
+        "kv_cache_dtype": config.cache_config.cache_dtype,
         "plugin_registered": plugin_registered(),
         **{k: v for k, v in p.as_dict().items() if k != "vllm"},
         "degraded": p.degraded,
