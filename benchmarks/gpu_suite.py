@@ -299,6 +299,40 @@ def row(
     }
 
 
+def vqueue_row(
+    client: Any, name: str, jobs: list[dict[str, Any]], rnd: int, timeout: float,
+    system: str = "vqueue",
+) -> dict[str, Any]:  # fmt: skip
+    """One workload through a worker end to end: the clock runs from the first submit to the
+    last result read."""
+    t, t_wall0 = time.perf_counter(), time.time()
+    batch = client.submit_many(jobs)
+    submit_s = time.perf_counter() - t
+    res = list(batch.results(timeout=timeout))
+    wall = time.perf_counter() - t
+    done = [x for x in res if x.status == "completed"]
+    ttft = [
+        x.timings.first_token_at - x.timings.enqueued_at for x in res if x.timings.first_token_at
+    ]
+    parts = phases([Stamps.of(x.timings) for x in res], t_wall0)
+    generated = sum(x.usage.completion_tokens + x.usage.wasted_tokens for x in res)
+    return row(
+        name,
+        system,
+        rnd,
+        wall,
+        len(res),
+        generated,
+        sum(x.usage.prompt_tokens for x in res),
+        ttft,
+        failed=len(res) - len(done),
+        submit_s=submit_s,
+        retried=sum(1 for x in res if x.usage.wasted_tokens),
+        errors=sorted({x.error.type for x in res if x.error}),
+        **parts,
+    )
+
+
 # ---------------------------------------------------------------------- the raw engines
 class RawEngines:
     """vLLM's offline ``LLM`` and online ``AsyncLLM`` in one process, built with a worker's
@@ -550,34 +584,7 @@ class Vqueue:
         self.a = a
 
     def run(self, name: str, jobs: list[dict[str, Any]], rnd: int) -> dict[str, Any]:
-        t, t_wall0 = time.perf_counter(), time.time()
-        batch = self.client.submit_many(jobs)
-        submit_s = time.perf_counter() - t
-        res = list(batch.results(timeout=self.a.timeout))
-        wall = time.perf_counter() - t
-        done = [x for x in res if x.status == "completed"]
-        ttft = [
-            x.timings.first_token_at - x.timings.enqueued_at
-            for x in res
-            if x.timings.first_token_at
-        ]
-        parts = phases([Stamps.of(x.timings) for x in res], t_wall0)
-        generated = sum(x.usage.completion_tokens + x.usage.wasted_tokens for x in res)
-        return row(
-            name,
-            "vqueue",
-            rnd,
-            wall,
-            len(res),
-            generated,
-            sum(x.usage.prompt_tokens for x in res),
-            ttft,
-            failed=len(res) - len(done),
-            submit_s=submit_s,
-            retried=sum(1 for x in res if x.usage.wasted_tokens),
-            errors=sorted({x.error.type for x in res if x.error}),
-            **parts,
-        )
+        return vqueue_row(self.client, name, jobs, rnd, self.a.timeout)
 
     def options_check(self) -> dict[str, Any]:
         """The chat options whose answer reads more of vLLM's output than text and token ids
