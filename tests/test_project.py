@@ -138,14 +138,17 @@ def test_worker_check_prints_what_its_engine_would_run_with() -> None:
     assert report["model_runner"] == "v1" and report["monitor"] == "v1"
     assert report["guided_batching"] and report["grammar_reuse"] and report["mask_reorder"]
     assert report["missing"] == {} and report["degraded"] is False
+    # the weights' format and the KV cache's element type, as vLLM resolved them
+    assert (report["quantization"], report["kv_cache_dtype"]) == ("none", "auto")
     text = run_cli("worker", "--check", timeout=300).stdout.decode()
     assert "early_stop         v1" in text and "status             ok" in text
-    # and what the settings turn off is reported off, not missing
+    # and what the settings turn off is reported off, not missing; the KV cache's dtype as set
     off = run_cli("worker", "--check", "--json", VQUEUE_VLLM_PATCHES="false",
-                  VQUEUE_EARLY_STOP_PATH="logprobs", timeout=300)  # fmt: skip
+                  VQUEUE_EARLY_STOP_PATH="logprobs", VQUEUE_KV_CACHE_DTYPE="fp8",
+                  timeout=300)  # fmt: skip
     report = json.loads(off.stdout.decode().strip().splitlines()[-1])
     assert report["monitor"] == "logprobs" and not report["guided_batching"]
-    assert report["missing"] == {}
+    assert report["missing"] == {} and report["kv_cache_dtype"] == "fp8"
 
 
 @pytest.mark.parametrize("gpus", ["x", "0,,a", ","])
