@@ -156,6 +156,11 @@ def check_engine_settings(s: Settings, cuda: bool, gpus: int) -> None:
     if not cuda:
         if s.quantization in _GPU_ONLY_QUANTIZATION:
             problems.append(f"VQUEUE_QUANTIZATION={s.quantization} needs a CUDA GPU")
+        if s.kv_cache_dtype != "auto" and not _cpu_has_fp8_kv():
+            problems.append(
+                f"VQUEUE_KV_CACHE_DTYPE={s.kv_cache_dtype}: vLLM's CPU build keeps an FP8 KV "
+                "cache only on x86 CPUs with AVX-512 or AMX, and this one has neither"
+            )
         if s.cpu_offload_gb:
             problems.append("VQUEUE_CPU_OFFLOAD_GB offloads GPU weights; this host has no GPU")
         if s.tensor_parallel_size > 1:
@@ -180,6 +185,15 @@ def check_engine_settings(s: Settings, cuda: bool, gpus: int) -> None:
         problems.append(str(exc))
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _cpu_has_fp8_kv() -> bool:
+    """What vLLM's CPU attention needs for an FP8 KV cache (it raises otherwise, at start)."""
+    try:
+        flags = open("/proc/cpuinfo").read()  # noqa: SIM115
+    except OSError:  # not Linux: let vLLM decide
+        return True
+    return " avx512f" in flags or " amx_tile" in flags
 
 
 def device_max_num_seqs() -> int:
