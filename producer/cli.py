@@ -205,8 +205,12 @@ def submit(
     with ExitStack() as stack:
         stack.enter_context(fh)
         # opened before anything is enqueued: a path that cannot be written fails here, alone
-        out_file = _open_for_writing(stack, out_path, "--out")
-        errors_out = _open_for_writing(stack, errors_path, "--errors")
+        out_file = _open_for_writing(
+            stack, out_path, "--out", _kept(client, batch, take, out_path, "out")
+        )
+        errors_out = _open_for_writing(
+            stack, errors_path, "--errors", _kept(client, batch, take, errors_path, "errors")
+        )
         bar = _bar(quiet, total=size, unit="B", unit_scale=True, desc="submit")
         created = client.store.create(batch, "vqueue", source=source, queue=client.settings.queue)
         good = rejected = 0
@@ -423,7 +427,7 @@ def _follow(
         nonlocal unsaved, saved_at
         _flush(out, errors)
         if take and handle.last_entry != "0-0":
-            client.store.take(batch, handle.last_entry)
+            client.store.take(batch, handle.last_entry, _written(out, errors))
         unsaved, saved_at = 0, time.monotonic()
 
     try:
@@ -628,8 +632,10 @@ def results(
                 yield after, res
 
     with ExitStack() as stack:
-        out = _open_for_writing(stack, out_path, "--out") or sys.stdout
-        errors = _open_for_writing(stack, errors_path, "--errors")
+        kept = _kept(client, batch, take, out_path, "out")
+        out = _open_for_writing(stack, out_path, "--out", kept) or sys.stdout
+        kept = _kept(client, batch, take, errors_path, "errors")
+        errors = _open_for_writing(stack, errors_path, "--errors", kept)
         try:
             if table:
                 rows = sorted((r for _, r in pairs()), key=lambda r: r.id)
@@ -641,11 +647,11 @@ def results(
                 unsaved += 1
                 if take and unsaved >= 1000:
                     _flush(out, errors)
-                    client.store.take(batch, last)
+                    client.store.take(batch, last, _written(out, errors))
                     unsaved = 0
             if take and last:
                 _flush(out, errors)
-                client.store.take(batch, last)
+                client.store.take(batch, last, _written(out, errors))
         except KeyboardInterrupt:
             _interrupted(batch)
         except WaitTimeout as exc:
@@ -664,13 +670,44 @@ def _flush(*files: IO[str] | None) -> None:
             os.fsync(fh.fileno())
 
 
-def _open_for_writing(stack: ExitStack, path: str | None, option: str) -> IO[str] | None:
+def _open_for_writing(
+    stack: ExitStack, path: str | None, option: str, keep: int | None = None
+) -> IO[str] | None:
+    """``path`` opened for writing, empty; ``keep``: its first ``keep`` bytes kept (what an
+    earlier ``--take`` of the batch wrote there and took out of Redis)."""
     if path is None:
         return None
     try:
-        return stack.enter_context(open(path, "w"))
+        if keep is None:
+            return stack.enter_context(open(path, "w"))
+        fh = stack.enter_context(open(path, "r+"))
+        fh.truncate(keep)  # past it: written, but still in Redis, so it comes again
+        fh.seek(keep)
+        return fh
     except OSError as exc:
         fail(f"cannot write {option} {path}: {exc.strerror}; nothing was enqueued", RET_USAGE)
+
+
+def _kept(client: Any, batch: str, take: bool, path: str | None, which: str) -> int | None:
+    """How much of ``path`` an earlier ``--take`` of the batch wrote and took out of Redis:
+    a taking reader started again on the same file goes on after it, so no result is lost or
+    written twice; None when there is nothing to keep."""
+    if not (take and path):
+        return None
+    taken = client.store.taken(batch)
+    if taken.get(which) != os.path.abspath(path) or not os.path.exists(path):
+        return None
+    return int(taken.get(f"{which}_bytes", 0))
+
+
+def _written(out: IO[str] | None, errors: IO[str] | None) -> dict[str, Any]:
+    """Where a taking reader's results went and how far, recorded as it takes them."""
+    got: dict[str, Any] = {}
+    for which, fh in (("out", out), ("errors", errors)):
+        if fh is not None and fh not in (sys.stdout, sys.stderr):
+            got[which] = os.path.abspath(fh.name)
+            got[f"{which}_bytes"] = os.fstat(fh.fileno()).st_size
+    return got
 
 
 def _interrupted(batch: str) -> NoReturn:

@@ -483,13 +483,23 @@ class BatchStore:
             entries = resp[0][1] if resp else []
         return [(eid, JobResult.model_validate_json(f["result"])) for eid, f in entries]
 
-    def take(self, batch: str, upto: str) -> int:
+    def take(self, batch: str, upto: str, written: dict[str, Any] | None = None) -> int:
         """The results up to stream entry ``upto`` leave Redis: their reader has them safe
         (``vqueue results --take``, the HTTP API's output files). The batch's counts and each
-        job's done mark stay, so no job runs again; how many entries went."""
+        job's done mark stay, so no job runs again; how many entries went. ``written``: where
+        the reader put them and how far its files reach (``taken``), recorded in the same
+        transaction, so a reader started again knows what of its files to keep."""
         ms, seq = upto.split("-")
-        return int(self.r.xtrim(self.key(batch, "results"), minid=f"{ms}-{int(seq) + 1}",
-                                approximate=False))  # fmt: skip
+        pipe = self.r.pipeline()
+        if written:
+            pipe.hset(self.key(batch), "taken", json.dumps(written))
+        pipe.xtrim(self.key(batch, "results"), minid=f"{ms}-{int(seq) + 1}", approximate=False)
+        return int(pipe.execute()[-1])
+
+    def taken(self, batch: str) -> dict[str, Any]:
+        """What ``take`` last recorded of its reader's files (empty: nothing)."""
+        raw = self.r.hget(self.key(batch), "taken")
+        return dict(json.loads(raw)) if raw else {}
 
     def iter_all(self, batch: str) -> Iterator[JobResult]:
         after = "0-0"

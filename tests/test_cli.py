@@ -262,6 +262,36 @@ def test_a_feed_killed_mid_input_resumes_where_it_stopped_each_job_once(
     assert (final["total"], final["completed"], final["fed"]) == (150, 150, None)
 
 
+def test_a_taking_reader_killed_and_started_again_writes_each_result_once(
+    cli: Cli, procs: Procs, tmp_path: Path
+) -> None:
+    import sys
+
+    from .conftest import KEY_PREFIX, WORKDIR, kill_group, wait_for, worker_env
+
+    r = redis.Redis.from_url(cli.url, decode_responses=True)
+    # Given a batch of 400 jobs running on the module's worker (about 160 jobs/s)
+    sub = cli("submit", str(_jobs(tmp_path / "j.jsonl", 400)), "-q")
+    assert sub.returncode == 0, sub.stderr
+    batch = sub.stdout.decode().split()[0]
+    out = tmp_path / "out.jsonl"
+    take = ["results", batch, "--wait", "--out", str(out), "--take"]
+    # When a reader taking its results into a file is killed part way
+    reader = procs.popen([sys.executable, "-m", "producer.cli", *take], cwd=WORKDIR,
+                         env=worker_env(Q, VQUEUE_BROKER_URL=cli.url))  # fmt: skip
+    lines = lambda: out.read_text().count("\n") if out.exists() else 0  # noqa: E731
+    wait_for(lambda: lines() >= 100, 60, "a hundred results written")
+    kill_group(reader)
+    assert 0 < lines() < 400
+    # and started again on the same file
+    again = cli(*take)
+    # Then the file holds every result once, and none is left in Redis
+    assert again.returncode == 0, again.stderr
+    ids = [json.loads(x)["id"] for x in out.read_text().splitlines()]
+    assert sorted(ids) == sorted(f"j{i}" for i in range(400))
+    assert r.xlen(f"{KEY_PREFIX}:batch:{batch}:results") == 0
+
+
 @pytest.mark.unit
 def test_the_results_table_stays_aligned_with_wide_characters() -> None:
     from producer.cli import _cells, render_table
