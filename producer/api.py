@@ -70,6 +70,9 @@ LINE_KIND = {
 # a request body other than an upload: a batch's create call is a few hundred bytes
 MAX_REQUEST_BYTES = 1 << 20
 
+# a batch's lock (ApiStore.lock) lapses this long after the process holding it died
+LOCK_S = 30
+
 
 def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
@@ -368,9 +371,15 @@ class ApiStore:
                 if self.r.get(key) == token:
                     self.r.delete(key)
 
+    def hold(self, bid: str, ttl_s: int = LOCK_S) -> None:
+        """Renew the batch's lock, held by this process (``lock``), for another ``ttl_s``."""
+        self.r.expire(f"{self.p}:lock:{bid}", ttl_s)
+
     @contextlib.contextmanager
-    def lock(self, bid: str, ttl_s: int = 300) -> Iterator[bool]:
-        """One server process moves a batch at a time (several may serve one Redis)."""
+    def lock(self, bid: str, ttl_s: int = LOCK_S) -> Iterator[bool]:
+        """One server process moves a batch at a time (several may serve one Redis). Short,
+        so that a process killed while it holds it stops the batch only that long: work
+        under it that may last longer renews it (``hold``)."""
         key = f"{self.p}:lock:{bid}"
         token = secrets.token_hex(8)
         got = bool(self.r.set(key, token, nx=True, ex=ttl_s))
@@ -743,6 +752,7 @@ class Batches:
                     state[f"{k}_n"] = str(int(state[f"{k}_n"]) + counts[k])
                 self.store.r.hset(key, mapping=state)
                 self.store.batches.take(b.id, state["after"])
+                self.store.hold(b.id)
                 if budget_s is not None and time.monotonic() - started > budget_s:
                     break
                 page = self.store.batches.read(b.id, state["after"], count=1000)

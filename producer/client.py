@@ -297,6 +297,8 @@ class Client:
         position: int | None = None,
     ) -> Batch:
         """Validate and enqueue ``jobs`` in pipelined chunks; returns once all are in Redis.
+        A batch holds at most its window of jobs in Redis (``window``): past it, this waits
+        for workers to finish some, so a big input is fed as they go.
 
         Dicts are validated against the job models first (``pydantic.ValidationError`` on a bad
         one, before anything of that chunk is sent). ``seal=False`` leaves the batch open for
