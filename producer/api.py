@@ -392,6 +392,7 @@ class ApiStore:
 
 CANCEL_GRACE_S = 30  # a cancelled batch's queued jobs left to the workers this long
 DRAIN_BUDGET_S = 2.0  # a batch's results written out per turn of the mover, at most this long
+LOST_CHECK_S = 30.0  # how often a batch that is not complete is asked whether jobs were lost
 
 
 class TooLarge(ValueError):
@@ -460,6 +461,7 @@ class Batches:
         self.store = store
         self.settings = store.settings
         self.feeder = Feeder(self.submit)
+        self._lost_checked: dict[str, float] = {}  # batch -> when Client.lost was last asked
 
     def create(self, tenant: str, req: BatchCreate) -> BatchObject:
         now = int(time.time())
@@ -659,6 +661,8 @@ class Batches:
         if sealed and st.done < st.total and self._close_withdrawn(bid):
             st = self.store.batches.status(bid) or st
             changes = _progress(b, st)
+        if sealed and st.done < st.total:
+            self._resend_lost(tenant, b)
         if not (sealed and st.done >= st.total):
             return b.model_copy(update=changes)  # counts are read live (ApiStore.live)
         with self.store.lock(bid) as mine:
@@ -678,6 +682,33 @@ class Batches:
             changes.update(output_file_id=out, error_file_id=err, status=end)
             changes[f"{end}_at"] = done
             return self._update(tenant, bid, **changes)
+
+    def _resend_lost(self, tenant: str, b: BatchObject) -> None:
+        """Jobs of the batch lost on the way (``Client.lost``: a worker killed as it took one)
+        are sent again from the input file, so the batch ends; checked every
+        ``LOST_CHECK_S`` per batch, under the batch's lock."""
+        from .client import Client
+
+        now = time.monotonic()
+        if now - self._lost_checked.get(b.id, -LOST_CHECK_S) < LOST_CHECK_S:
+            return
+        self._lost_checked[b.id] = now
+        client = Client(self.settings, tenant=tenant, on_limit="wait")
+        if not client.lost(b.id):
+            return
+        try:
+            with self.store.lock(b.id) as mine, open(self.store.path(b.input_file_id), "rb") as fh:
+                if not mine:
+                    return
+                jobs = (Envelope(job=p.job, batch=b.id, format=p.format, model=p.model,
+                                 enqueued_at=time.time(), tenant=tenant)
+                        for p in self._lines(fh) if p.error is None)  # fmt: skip
+                sent = client.resend(jobs, b.id)
+        except FileNotFoundError:  # its input deleted: the batch ends at its window's end
+            log.error("batch %s has lost jobs and its input file is gone", b.id)
+            return
+        log.warning("batch %s: %d job(s) were lost on the way (a worker killed as it took "
+                    "them); sent again from its input", b.id, sent)  # fmt: skip
 
     def _close_withdrawn(self, bid: str) -> bool:
         """Whether the withdrawn batch's jobs without a result were closed here: at once when

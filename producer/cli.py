@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import IO, Any, BinaryIO, NoReturn
@@ -312,7 +312,20 @@ def submit(
                     if not as_json:
                         click.echo(batch)
                         sys.stdout.flush()
-                    st = _follow(client, batch, out_file, errors_out, quiet, timeout, take, feeder)
+
+                    def resend() -> None:  # the input read again from the top
+                        with open(file, "rb") as again:
+                            jobs = (p.job for p in parse_lines(read_lines(again),
+                                    default_priority=priority, default_system=system)
+                                    if p.error is None)  # fmt: skip
+                            sent = client.resend(jobs, batch)
+                        _say(f"batch {batch}: {sent} job(s) were lost on the way (a worker "
+                             "killed as it took them); sent again")  # fmt: skip
+
+                    st = _follow(
+                        client, batch, out_file, errors_out, quiet, timeout, take, feeder,
+                        resend if source else None,
+                    )  # fmt: skip
             while feeder.is_alive():
                 feeder.join(0.5)
         except KeyboardInterrupt:
@@ -404,6 +417,7 @@ def _follow(
     timeout: float | None,
     take: bool = False,
     feeder: threading.Thread | None = None,
+    on_lost: Callable[[], None] | None = None,
 ) -> BatchStatus:
     """Stream results to the files with a done/failed/rate/ETA bar until the batch is done.
     ``take``: results leave Redis once they are written (and flushed to disk) here.
@@ -431,7 +445,7 @@ def _follow(
         unsaved, saved_at = 0, time.monotonic()
 
     try:
-        for res in handle.results(timeout=timeout):
+        for res in handle.results(timeout=timeout, on_lost=on_lost):
             _write_result(res, out, errors)
             if res.status == "failed":
                 failed += 1

@@ -108,8 +108,14 @@ class _Follow:
     ``Batch.wait``, ``Batch.result``, ``AsyncClient.results``): when the batch is complete, and
     when waiting stopped making sense. Nothing here reads results; the loops do."""
 
-    def __init__(self, batch: Batch, timeout: float | None) -> None:
+    def __init__(
+        self, batch: Batch, timeout: float | None, on_lost: Callable[[], None] | None = None
+    ) -> None:
         s = batch.client.settings
+        # called when jobs of the batch were lost on the way (``Client.lost``), to send them
+        # again; checked once no result has come for the visibility timeout and the grace
+        self.on_lost, self.lost_checked = on_lost, 0.0
+        self.lost_after = s.visibility_timeout_s + s.lost_job_grace_s
         self.batch, self.store = batch, batch.client.store
         self.queue = self.store.queue_of(batch.id) or s.queue
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -145,6 +151,10 @@ class _Follow:
                     f"submit the same input again with --batch {self.batch.id} to send the rest"
                 )
         idle = now - self.progress_at
+        if self.on_lost and idle > self.lost_after and now - self.lost_checked > self.lost_after:
+            self.lost_checked = now
+            if self.batch.client.lost(self.batch.id):
+                self.on_lost()
         if self.stall_s and idle > self.stall_s:
             raise Stalled(
                 f"batch {self.batch.id}: no new result for {idle:.0f}s with {st.remaining} jobs "
@@ -207,14 +217,21 @@ class Batch:
             raise BatchNotFound(f"no batch {self.id!r} (expired, or another broker/key prefix?)")
         return st
 
-    def results(self, timeout: float | None = None, after: str = "0-0") -> Iterator[JobResult]:
+    def results(
+        self,
+        timeout: float | None = None,
+        after: str = "0-0",
+        on_lost: Callable[[], None] | None = None,
+    ) -> Iterator[JobResult]:
         """Every result of the batch, in completion order, blocking until the last one.
 
         ``after`` resumes from a stream entry id (``Batch.last_entry``) instead of the start.
         Raises ``WaitTimeout`` past ``timeout``, and ``Stalled`` when no live worker consumes
         the batch's queue, or no result comes, for longer than the settings allow.
+        ``on_lost``: called when jobs of the batch were lost on the way (``Client.lost``), to
+        send them again (``Client.resend``).
         """
-        follow = _Follow(self, timeout)
+        follow = _Follow(self, timeout, on_lost)
         store = self.client.store
         while True:
             page = store.read(
@@ -346,6 +363,44 @@ class Client:
         b = Batch(self, batch_id)
         b.skipped = skipped
         return b
+
+    def lost(self, batch_id: str) -> bool:
+        """Whether jobs of the batch are lost: it is sealed and not complete, yet no job waits
+        for this client's queue's workers, none of them is running one, and no result has come
+        for longer than the visibility timeout (after which Redis hands back what a dead
+        worker had reserved). A worker killed while it took a job off its list loses that
+        one job (docs/reliability.md); its id is claimed and has no result."""
+        st = self.store.status(batch_id)
+        if st is None or not st.sealed or st.done >= st.total or self.store.withdrawn(batch_id):
+            return False
+        quiet_s = time.time() - (st.updated_at or st.created_at)
+        if quiet_s < self.settings.visibility_timeout_s + self.settings.lost_job_grace_s:
+            return False
+        busy = any(
+            w.get("in_flight")
+            for w in self.store.workers()
+            if w.get("queue") == self.settings.queue
+        )
+        return not busy and self.waiting() == 0
+
+    def resend(self, jobs: Iterable[Job | dict[str, Any] | Envelope], batch_id: str) -> int:
+        """Send again those of ``jobs`` (the batch's input, read again) that were sent and have
+        no result; each runs once, whichever copy a worker takes first. How many went."""
+        sent = 0
+        chunk: list[Envelope] = []
+        for item in [*jobs, None]:
+            if item is not None:
+                chunk.append(self._envelope(item, batch_id))
+            if len(chunk) >= PUBLISH_CHUNK or (item is None and chunk):
+                done = self.store.r.hmget(
+                    self.store.key(batch_id, "done"), [e.job.id for e in chunk]
+                )
+                todo = [e for e, d in zip(chunk, done, strict=True) if d == ""]
+                if todo:
+                    self._publish(todo, batch_id)
+                    sent += len(todo)
+                chunk = []
+        return sent
 
     def _stopped(self, batch_id: str, sent: int, exc: redis.RedisError) -> SubmissionStopped:
         if refused_for_memory(exc):

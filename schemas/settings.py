@@ -59,6 +59,11 @@ class Settings(BaseSettings):
     result_ttl_s: int = 7 * 24 * 3600  # batches and their results expire after a week
     # Redis redelivers an unacknowledged job after this; must exceed job_timeout_s
     visibility_timeout_s: int = 3600
+    # a batch sealed and not complete, with nothing queued or running and no new result for
+    # the visibility timeout and this long, has lost jobs (a worker killed as it took one off
+    # its list): a follower with its input (`vqueue submit --wait`, `vqueue serve`) sends
+    # those again
+    lost_job_grace_s: float = Field(default=60.0, ge=0)
     # a job still generating after this is aborted in the engine and fails with "timeout"
     job_timeout_s: float = Field(default=900.0, gt=0)
     # a job whose worker died this many times while running it is dead-lettered, not run again

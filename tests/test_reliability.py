@@ -454,6 +454,31 @@ def test_resubmitted_ids_run_once(procs: Procs, fault_redis: RedisServer) -> Non
     assert figures["deliveries_started"] == {1: 15}
 
 
+def test_a_job_lost_on_the_way_is_sent_again_and_the_batch_ends(
+    procs: Procs, fault_redis: RedisServer
+) -> None:
+    from protocol.wire import queue_keys
+
+    # Given a batch of 20 whose queue loses one message before any worker takes it (as a worker
+    # killed between taking a job off its list and recording it loses that job)
+    client = _client(fault_redis.url, prefix_routing=False, lost_job_grace_s=1)
+    jobs = _jobs(20, "lost")
+    batch = client.submit_many(jobs, batch="lost-one")
+    r = client.store.r
+    assert r.rpop(next(k for k in queue_keys("faults") if r.llen(k))) is not None
+    w = procs.fake_worker("lost", fault_redis.url, delay=0.01, concurrency=4)
+    w.wait_ready(client.store.r, timeout=120)
+    # When a reader follows it, with the input to send again what is lost
+    sent: list[int] = []
+    results = list(batch.results(timeout=120, on_lost=lambda: sent.append(
+        client.resend(jobs, batch.id))))  # fmt: skip
+    # Then, once nothing was queued or running for the visibility timeout and the grace, the
+    # one job without a result went again, alone, and every job has one result
+    assert sent == [1]
+    assert len(results) == 20
+    _exactly_once(client, "lost-one", 20)
+
+
 def test_higher_priority_jobs_are_taken_first(procs: Procs, fault_redis: RedisServer) -> None:
     # Given 10 jobs at priority 0 and then 3 at priority 9, waiting for a worker
     client = _client(fault_redis.url, prefix_routing=False)
