@@ -12,6 +12,7 @@ Only Celery, Redis and pydantic are imported here: a producer never needs vLLM o
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import socket
@@ -388,7 +389,7 @@ class Client:
         no result; each runs once, whichever copy a worker takes first. How many went."""
         sent = 0
         chunk: list[Envelope] = []
-        for item in [*jobs, None]:
+        for item in itertools.chain(jobs, [None]):  # the input streamed, never held whole
             if item is not None:
                 chunk.append(self._envelope(item, batch_id))
             if len(chunk) >= PUBLISH_CHUNK or (item is None and chunk):
