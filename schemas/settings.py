@@ -166,6 +166,10 @@ class Settings(BaseSettings):
     # urgent jobs one worker takes in beyond its share (its urgent intake process's slots); 0:
     # no urgent intake process, an urgent job waits for a slot to free (docs/architecture.md)
     urgent_concurrency: int = Field(default=16, ge=0, le=1024)
+    # an urgent job waiting in vLLM's line while every slot runs takes the place of a running
+    # lower-priority one, which resumes later after recomputing (worker/vllm_ext/scheduler.py);
+    # off: it waits for one to finish (with a full bulk batch, up to one answer's generation)
+    urgent_preempt: bool = True
     # set by a worker for its other intake processes (internal): its frontend's socket and key,
     # its name, and its pid (they exit when it is gone)
     frontend: str = ""

@@ -45,7 +45,13 @@ def test_every_vllm_symbol_an_optimization_touches_is_the_one_it_was_verified_on
     rel = release(vllm_version())
     assert rel in FINGERPRINTS, f"vLLM {vllm_version()} is not in the compatibility table"
     here = [name for name, versions in VERIFIED.items() if rel in versions]
-    assert {"monitor-v1", "monitor-v2", "guided-batching", "grammar-reuse"} <= set(here)
+    assert {
+        "monitor-v1",
+        "monitor-v2",
+        "guided-batching",
+        "grammar-reuse",
+        "urgent-preempt",
+    } <= set(here)
     for name in here:
         for module, qualname in SYMBOLS[name]:
             key = f"{module}:{qualname}"
@@ -57,6 +63,10 @@ def test_every_vllm_symbol_an_optimization_touches_is_the_one_it_was_verified_on
     assert (p.monitor, p.guided_batching, p.grammar_reuse, p.mask_reorder) == ("v1", True, True,
                                                                              True)  # fmt: skip
     assert plan(vllm_version(), v2=True).monitor == "v2" and p.missing == {}
+    # urgent preemption where the settings want it (urgent jobs at vLLM priority 0), never else
+    assert plan(vllm_version(), v2=False, urgent_order=0).urgent_order == 0
+    assert p.urgent_order is None
+    assert plan(vllm_version(), v2=False, urgent_order=0, patches=False).urgent_order is None
 
 
 def test_an_unknown_vllm_gets_none_of_it_and_an_error_for_each(
@@ -66,16 +76,17 @@ def test_an_unknown_vllm_gets_none_of_it_and_an_error_for_each(
     from worker.vllm_ext.compat import log_missing, plan
 
     for v2 in (False, True):
-        p = plan("0.33.0", v2=v2)
+        p = plan("0.33.0", v2=v2, urgent_order=0)
         # Then nothing of vqueue's goes into it: early stop falls back to vLLM's own logprobs
         assert p.monitor == "logprobs"
         assert not (p.guided_batching or p.grammar_reuse or p.mask_reorder)
+        assert p.urgent_order is None
         assert p.degraded
         # and the worker logs one ERROR per optimization, naming it, the version and the fallback
         caplog.clear()
         log_missing(p)
         errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-        assert len(errors) == 4, errors
+        assert len(errors) == 5, errors
         assert all("vLLM 0.33.0 is not a release it was verified on" in e for e in errors)
         assert any("monitor" in e and "vLLM's own logprobs" in e for e in errors)
     # and a changed function within a verified release is caught by its fingerprint, not trusted

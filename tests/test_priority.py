@@ -1,6 +1,7 @@
 """A job's priority reaches the worker and vLLM's scheduler: an urgent job is taken in while the
-worker holds its full share of bulk jobs, and overtakes the bulk jobs already waiting inside the
-engine, not only those still in Redis (real worker, real engine, small model)."""
+worker holds its full share of bulk jobs, overtakes the bulk jobs already waiting inside the
+engine, not only those still in Redis, and takes a running bulk job's slot rather than wait for
+one to finish (real worker, real engine, small model)."""
 
 from __future__ import annotations
 
@@ -72,4 +73,10 @@ def test_an_urgent_job_is_taken_in_past_a_full_share_and_starts_before_waiting_b
     held = [r for r in pending if (r.timings.started_at or 0) < came]
     passed = [r.id for r in held if r.timings.first_token_at > first]
     assert len(passed) >= 3, ([r.id for r in held], passed, u.timings)
+    # and it did not wait for one of the engine's 2 slots to free: a running bulk job was
+    # preempted to give it one (VQUEUE_URGENT_PREEMPT; this KV cache never runs short), and
+    # resumed where it was: every bulk answer whole, the urgent one never preempted
+    preempted = [r.id for r in done if r.timings.preemptions]
+    assert 1 <= len(preempted) <= SEQS and u.timings.preemptions == 0, (preempted, u.timings)
     assert len(done) == 30 and all(r.status == "completed" for r in done)
+    assert all(r.usage.completion_tokens == 48 for r in done), [r.usage for r in done]

@@ -185,6 +185,8 @@ def _check(as_json: bool) -> None:
     click.echo(f"{'early_stop':<18} {report['monitor']}")
     for key in ("guided_batching", "grammar_reuse", "mask_reorder"):
         click.echo(f"{key:<18} {'on' if report[key] else 'off'}")
+    order = report["urgent_order"]
+    click.echo(f"{'urgent_preempt':<18} {'off' if order is None else f'vLLM priority <= {order}'}")
     click.echo(f"{'tests_sandbox':<18} {report['tests_sandbox']}")
     for name, why in report["missing"].items():
         click.echo(f"{'not installed':<18} {name}: {why}")

@@ -83,6 +83,7 @@ class Generation:
     submitted_at: float | None = None  # wall clock: vLLM received the prompt
     scheduled_at: float | None = None  # wall clock: the engine first scheduled it
     finished_at: float | None = None  # wall clock: the final output reached vLLM's frontend
+    preemptions: int = 0  # times the engine preempted it
     aborted: bool = False  # the confidence monitor stopped it (logprob early stop)
     confidence: Reading | None = None  # the monitor's numbers, when it watched this request
     logprobs: list[TokenLogprob] | None = None  # when the request asked for them
@@ -263,6 +264,7 @@ class EngineHost:
             submitted_at=out.arrived_at,
             scheduled_at=out.scheduled_at,
             finished_at=out.finished_at,
+            preemptions=out.preemptions,
             aborted=aborted,
             confidence=reading,
             logprobs=self._logprobs(out) if out.logprobs is not None else None,

@@ -99,6 +99,7 @@ class Output:
     aborted: bool = False  # the logprob rule stopped it (the path without the monitor)
     reading: Reading | None = None  # the rule's numbers, on that path
     finished_at: float | None = None  # wall clock: the final output reached the frontend
+    preemptions: int = 0  # times the engine preempted it (vLLM's request stats)
     # the output's token ids, for a request sent with ``detokenize=False`` (its ``text`` is
     # empty: the worker's process decodes them, ``PromptTokenizer.output_text``)
     token_ids: list[int] | None = None
@@ -703,6 +704,7 @@ class Frontend:
             aborted=aborted,
             reading=reading,
             finished_at=time.time(),
+            preemptions=int(getattr(getattr(final, "metrics", None), "num_preemptions", 0) or 0),
             token_ids=None if params.detokenize else list(choice.token_ids),
             logprobs=_token_logprobs(choice, params.logprobs) if rule is None else None,
         )

@@ -141,7 +141,15 @@ PREFIX_HITS = Counter(
 ENGINE_INFO = Gauge(
     "vqueue_engine_info",
     "The engine's vLLM and which of vqueue's optimizations run on it (docs/vllm-compat.md)",
-    ["vllm", "model_runner", "monitor", "guided_batching", "grammar_reuse", "mask_reorder"],
+    [
+        "vllm",
+        "model_runner",
+        "monitor",
+        "guided_batching",
+        "grammar_reuse",
+        "mask_reorder",
+        "urgent_preempt",
+    ],
     multiprocess_mode="max",
 )
 ENGINE_DEGRADED = Gauge(
@@ -265,6 +273,7 @@ def report_plan(plan: Any) -> None:
         str(plan.guided_batching).lower(),
         str(plan.grammar_reuse).lower(),
         str(plan.mask_reorder).lower(),
+        str(plan.urgent_order is not None).lower(),
     ).set(1)
     ENGINE_DEGRADED.set(len(plan.missing))
 

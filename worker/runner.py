@@ -256,7 +256,7 @@ def _answer(
     )
     t = result.timings
     t.sent_at, t.submitted_at, t.scheduled_at = gen.sent_at, gen.submitted_at, gen.scheduled_at
-    t.first_token_at = gen.first_token_at
+    t.first_token_at, t.preemptions = gen.first_token_at, gen.preemptions
     _read_output(job, gen.text, gen.finish_reason, result, max_tokens, cut)
 
 

@@ -40,12 +40,16 @@ VERIFIED: dict[str, tuple[str, ...]] = {
     "grammar-reuse": ("0.26", "0.32"),
     # the grammar mask's rows put in batch order on the device (private)
     "mask-reorder": ("0.26", "0.32"),
+    # an urgent request waiting for a slot preempts a lower-ranked running one (private)
+    "urgent-preempt": ("0.26", "0.32"),
 }
 
 _G = "vllm.v1.structured_output.backend_guidance"
+_S = "vllm.v1.core.sched.scheduler"
+_Q = "vllm.v1.core.sched.request_queue"
 # Optimizations that patch vLLM's private internals (installed by the plugin); the others go
 # through vLLM's public interfaces.
-PRIVATE = ("monitor-v2-hook", "guided-batching", "grammar-reuse", "mask-reorder")
+PRIVATE = ("monitor-v2-hook", "guided-batching", "grammar-reuse", "mask-reorder", "urgent-preempt")
 
 # The vLLM symbols each optimization relies on: (module, qualified name).
 SYMBOLS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -72,6 +76,13 @@ SYMBOLS: dict[str, tuple[tuple[str, str], ...]] = {
         (_G, "validate_guidance_grammar"),
     ),
     "mask-reorder": (("vllm.v1.structured_output.utils", "apply_grammar_bitmask"),),
+    "urgent-preempt": (
+        ("vllm.config.scheduler", "SchedulerConfig.get_scheduler_cls"),
+        (_S, "Scheduler.schedule"),
+        (_S, "Scheduler._preempt_request"),
+        (_Q, "PriorityRequestQueue.peek_request"),
+        (_Q, "PriorityRequestQueue.__iter__"),
+    ),
 }
 
 # release -> (module:qualname) -> fingerprint (``fingerprint``) of the verified source.
@@ -88,6 +99,11 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         f"{_G}:GuidanceBackend.compile_grammar": "1e745a6fca2d",
         f"{_G}:validate_guidance_grammar": "2dfc1402f4cc",
         "vllm.v1.structured_output.utils:apply_grammar_bitmask": "b1b35ee6e21b",
+        "vllm.config.scheduler:SchedulerConfig.get_scheduler_cls": "fb5c552ba102",
+        f"{_S}:Scheduler.schedule": "99c00433483a",
+        f"{_S}:Scheduler._preempt_request": "e69d81541237",
+        f"{_Q}:PriorityRequestQueue.peek_request": "1c1130b4cfec",
+        f"{_Q}:PriorityRequestQueue.__iter__": "078f739cb300",
     },
     "0.32": {
         "vllm.v1.sample.logits_processor.interface:BatchUpdate": "84a54c324cfa",
@@ -100,6 +116,11 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         f"{_G}:GuidanceBackend.compile_grammar": "82cfef5844b9",
         f"{_G}:validate_guidance_grammar": "3a7a0ae4d78a",
         "vllm.v1.structured_output.utils:apply_grammar_bitmask": "da602d368690",
+        "vllm.config.scheduler:SchedulerConfig.get_scheduler_cls": "1fe83ef22347",
+        f"{_S}:Scheduler.schedule": "99ee20fa5a72",
+        f"{_S}:Scheduler._preempt_request": "73cb386c5caf",
+        f"{_Q}:PriorityRequestQueue.peek_request": "1c1130b4cfec",
+        f"{_Q}:PriorityRequestQueue.__iter__": "078f739cb300",
     },
 }
 
@@ -186,6 +207,9 @@ class Plan:
     guided_batching: bool
     grammar_reuse: bool
     mask_reorder: bool
+    # vLLM priority (lower first) at or below which a waiting request preempts a lower-ranked
+    # running one when no slot is free (``scheduler.py``); None: never
+    urgent_order: int | None
     # optimization -> why it is not installed here (each logged once as an ERROR)
     missing: dict[str, str]
 
@@ -209,12 +233,14 @@ def plan(
     guidance: bool = True,
     patches: bool = True,
     plugin: bool = True,
+    urgent_order: int | None = None,
 ) -> Plan:
     """The optimizations the engine gets on vLLM ``version`` with this model runner (``v2``)
     and these settings; each one the settings want but this vLLM cannot take is in
     ``missing``. ``patches`` False (``VQUEUE_VLLM_PATCHES=false``) leaves only what vLLM's
     public interfaces allow; ``plugin`` False (vqueue's plugin not registered with vLLM) makes
-    the private ones missing. Pure: no vLLM import, nothing logged."""
+    the private ones missing. ``urgent_order``: the urgent jobs' vLLM priority under the
+    priority policy (None: no preemption wanted). Pure: no vLLM import, nothing logged."""
     missing: dict[str, str] = {}
 
     def ok(name: str) -> bool:
@@ -246,6 +272,9 @@ def plan(
         guided_batching=guided and patches and ok("guided-batching"),
         grammar_reuse=guidance and grammar_reuse and patches and ok("grammar-reuse"),
         mask_reorder=guided and patches and ok("mask-reorder"),
+        urgent_order=(
+            urgent_order if urgent_order is not None and patches and ok("urgent-preempt") else None
+        ),
         missing=missing,
     )
 
@@ -260,6 +289,7 @@ def log_missing(p: Plan, where: logging.Logger = log) -> None:
         "guided-batching": "vLLM's own guided step runs (per request, under the GIL)",
         "grammar-reuse": "vLLM compiles each request's grammar itself",
         "mask-reorder": "vLLM reorders the grammar mask on the host",
+        "urgent-preempt": "an urgent job waits in vLLM's line for a running one to finish",
     }
     for name, reason in p.missing.items():
         where.error(

@@ -55,8 +55,16 @@ def plan_for(settings: Settings, v2: bool) -> Plan:
         guidance=settings.structured_outputs_backend == "guidance",
         patches=settings.vllm_patches,
         plugin=plugin_registered(),
+        urgent_order=urgent_order(settings),
     )
     return p
+
+
+def urgent_order(settings: Settings) -> int | None:
+    """The urgent jobs' vLLM priority (``EngineHost`` sends ``9 - priority``), when an urgent
+    request may preempt a running one (``scheduler.py``); None when it may not."""
+    wanted = settings.urgent_preempt and settings.scheduling_policy == "priority"
+    return 9 - settings.urgent_priority if wanted and settings.urgent_priority <= 9 else None
 
 
 def configure_engine(settings: Settings, kwargs: dict[str, Any]) -> tuple[Any, Plan]:
@@ -86,6 +94,14 @@ def configure_engine(settings: Settings, kwargs: dict[str, Any]) -> tuple[Any, P
     log_missing(p, log)
     if p.monitor in MONITOR_CLASSES:
         config.model_config.logits_processors = [MONITOR_CLASSES[p.monitor]]
+    if p.urgent_order is not None:
+        # vLLM's scheduler of the kind it chose (async or not), with urgent preemption
+        name = (
+            "UrgentFirstAsyncScheduler"
+            if config.scheduler_config.async_scheduling
+            else ("UrgentFirstScheduler")
+        )
+        config.scheduler_config.scheduler_cls = f"worker.vllm_ext.scheduler.{name}"
     os.environ[PLAN_ENV] = json.dumps(p.as_dict())
     return config, p
 
