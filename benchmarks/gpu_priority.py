@@ -3,8 +3,10 @@
     python -m benchmarks.gpu_priority --model /tmp/models/qwen05 --out $OUT/priority
 
 Per policy one worker: ``priority`` (the defaults: urgent jobs through the urgent queue and
-intake process, vLLM's priority scheduling) or ``fcfs`` (no job urgent, vLLM first come first
-served: a job's priority orders the Redis lists alone). On it, the bulk batch
+intake process, vLLM's priority scheduling, an urgent request preempting a running bulk one when
+no slot is free), ``priority-wait`` (the same without preemption: an urgent request waits for a
+slot) or ``fcfs`` (no job urgent, vLLM first come first served: a job's priority orders the
+Redis lists alone). On it, the bulk batch
 alone (priority 0), then the same batch again with a stream of interactive jobs (priority 9, a
 fixed rate) submitted one by one while it runs. Reports bulk jobs/s both ways and the
 interactive jobs' TTFT and latency from submission (p50/p99). Writes priority.json after each
@@ -53,7 +55,9 @@ def slowest(us: list[Any], t0_perf: float, n: int = 5) -> list[dict[str, Any]]:
 
 
 def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, Any]]:
-    env = dict(VQUEUE_MAX_MODEL_LEN="4096", VQUEUE_SCHEDULING_POLICY=policy)
+    env = dict(VQUEUE_MAX_MODEL_LEN="4096", VQUEUE_SCHEDULING_POLICY=policy.split("-")[0])
+    if policy == "priority-wait":
+        env["VQUEUE_URGENT_PREEMPT"] = "false"
     if policy == "fcfs":
         env.update(VQUEUE_URGENT_PRIORITY="10", VQUEUE_URGENT_CONCURRENCY="0")
     if a.kv_cache_bytes:
@@ -78,6 +82,8 @@ def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, A
                 break
             time.sleep(1)
         list(client.submit_many(bulk()[: min(64, a.bulk)]).results(timeout=600))  # warm
+        # what the engine runs with (urgent_order: None when urgent jobs never preempt)
+        plan = next((w["engine"] for w in client.store.workers() if w.get("engine")), {})
         for rnd, stream in [(r, x) for r in range(1, a.rounds + 1) for x in (False, True)]:
             done = threading.Event()
             urgent: list[Any] = []
@@ -147,6 +153,8 @@ def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, A
                 "taken_by_urgent_intake": sum("-urgent@" in (u.worker or "") for u in us),
                 "slowest": slowest(us, t0),
                 "worker_start_s": start_s,
+                "urgent_order": plan.get("urgent_order"),
+                "engine_missing": plan.get("missing"),
             }
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -161,7 +169,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--bulk", type=int, default=2000)
     ap.add_argument("--rate", type=float, default=2.0, help="interactive jobs per second")
-    ap.add_argument("--policies", default="priority,fcfs")
+    ap.add_argument("--policies", default="priority,priority-wait,fcfs")
     ap.add_argument(
         "--rounds", type=int, default=1, help="bulk alone, then with the stream, this many times"
     )
