@@ -29,8 +29,11 @@ model: $(STAMP)
 demo: setup
 	bash examples/demo.sh
 
+# two pytest processes (CI has two cores): each module's tests stay in one of them, with its
+# module's workers and servers; test_reliability's are spread one by one (tests/conftest.py)
+TEST_JOBS ?= 2
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup
 
 # the unit layer alone: no Redis, no model, no worker (tests marked `unit`)
 test-fast: $(STAMP)

@@ -2,7 +2,8 @@
 
 Every session starts its own ``redis-server`` on a free port with its own directory, and names
 its queues, key prefix and workers after a run id, so two ``make test`` runs on one host never
-see each other's jobs, and no database the suite did not create is ever touched. Every process a
+see each other's jobs, and no database the suite did not create is ever touched; under
+``make test`` each of pytest-xdist's processes is such a session. Every process a
 test starts belongs to a ``Procs`` owner whose teardown kills its process group, whatever the
 test did. Tests wait on conditions (heartbeats, batch counters, engine gauges), never on sleeps.
 
@@ -352,12 +353,21 @@ def run_cli(
     )
 
 
+# modules whose tests share nothing but the session's fixtures: under ``make test`` (pytest-xdist,
+# ``--dist loadgroup``) their tests go one by one to whichever pytest process is free; every
+# other module's tests stay together in one process, which starts its module fixtures once
+SPREAD = {"test_reliability.py"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each test in one layer: marked ``unit`` or ``engine`` where it says so, else
-    ``integration`` (a Redis, worker processes or the CLI)."""
+    ``integration`` (a Redis, worker processes or the CLI); and outside ``SPREAD``, in its
+    module's xdist group."""
     for item in items:
         if not any(item.get_closest_marker(m) for m in ("unit", "engine")):
             item.add_marker(pytest.mark.integration)
+        if item.path.name not in SPREAD:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
