@@ -29,9 +29,8 @@ from typing import Any
 
 from schemas import Settings
 
-from . import plugin_env
 from . import workloads as wl
-from .gpu_suite import launch_worker, stop
+from .gpu_suite import launch_worker, stop, worker_env
 
 
 def workload(t: wl.TextMaker, a: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
@@ -73,13 +72,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t = wl.TextMaker.of_model(a.model)
     tag = f"routing-{uuid.uuid4().hex[:8]}"
-    env = dict(
-        plugin_env(),
-        VQUEUE_BROKER_URL=a.redis,
-        VQUEUE_QUEUE=tag,
-        VQUEUE_KEY_PREFIX=tag,
-        VQUEUE_MODEL=a.model,
-        VQUEUE_HEARTBEAT_S="1",
+    env = worker_env(
+        tag,
+        a.model,
+        a.redis,
         VQUEUE_MAX_MODEL_LEN=str(a.prefix_tokens + a.question_tokens + a.out_tokens + 256),
         VQUEUE_GPU_MEMORY_UTILIZATION=str(a.gpu_memory_utilization),
     )

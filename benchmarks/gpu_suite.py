@@ -121,6 +121,20 @@ class OwnWorker(NamedTuple):
     name: str
 
 
+def worker_env(tag: str, model: str, redis_url: str, **env: str) -> dict[str, str]:
+    """A benchmark worker's environment: vqueue's vLLM plugin findable, the queue and key prefix
+    ``tag`` (nothing shared with another run on the same Redis), ``model``, ``env`` added."""
+    return dict(
+        plugin_env(),
+        VQUEUE_BROKER_URL=redis_url,
+        VQUEUE_QUEUE=tag,
+        VQUEUE_KEY_PREFIX=tag,
+        VQUEUE_MODEL=model,
+        VQUEUE_HEARTBEAT_S="1",
+        **env,
+    )
+
+
 def own_worker(
     kind: str, model: str, redis_url: str, log_path: Path, *args: str, **env: str
 ) -> OwnWorker:
@@ -130,15 +144,7 @@ def own_worker(
     from producer import Client
 
     tag = f"{kind}-{uuid.uuid4().hex[:8]}"
-    full = dict(
-        plugin_env(),
-        VQUEUE_BROKER_URL=redis_url,
-        VQUEUE_QUEUE=tag,
-        VQUEUE_KEY_PREFIX=tag,
-        VQUEUE_MODEL=model,
-        VQUEUE_HEARTBEAT_S="1",
-        **env,
-    )
+    full = worker_env(tag, model, redis_url, **env)
     proc, log, start_s = launch_worker(f"{tag}@gpu", full, log_path, redis_url, *args)
     client = Client(Settings(_env_file=None, broker_url=redis_url, queue=tag, key_prefix=tag))
     return OwnWorker(proc, log, start_s, client, f"{tag}@gpu")

@@ -24,10 +24,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks import plugin_env
-
 from . import workloads as wl
-from .gpu_suite import launch_worker, stop
+from .gpu_suite import launch_worker, stop, worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,15 +52,8 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = f"http-{uuid.uuid4().hex[:6]}"
-    env = dict(
-        plugin_env(),
-        VQUEUE_BROKER_URL=a.redis,
-        VQUEUE_QUEUE=tag,
-        VQUEUE_KEY_PREFIX=tag,
-        VQUEUE_MODEL=a.model,
-        VQUEUE_HEARTBEAT_S="1",
-        VQUEUE_FILES_DIR=str(out / "files"),
-        VQUEUE_API_POLL_S="0.2",
+    env = worker_env(
+        tag, a.model, a.redis, VQUEUE_FILES_DIR=str(out / "files"), VQUEUE_API_POLL_S="0.2"
     )
     if a.stub:
         env["VQUEUE_ENGINE_CLASS"] = "benchmarks.stub_engine:StubEngine"
