@@ -3,7 +3,7 @@
 Every session starts its own ``redis-server`` on a free port with its own directory, and names
 its queues, key prefix and workers after a run id, so two ``make test`` runs on one host never
 see each other's jobs, and no database the suite did not create is ever touched; under
-``make test`` each of pytest-xdist's processes is such a session. Every process a
+``make test TEST_JOBS=2`` each of pytest-xdist's processes is such a session. Every process a
 test starts belongs to a ``Procs`` owner whose teardown kills its process group, whatever the
 test did. Tests wait on conditions (heartbeats, batch counters, engine gauges), never on sleeps.
 
@@ -353,9 +353,10 @@ def run_cli(
     )
 
 
-# modules whose tests share nothing but the session's fixtures: under ``make test`` (pytest-xdist,
-# ``--dist loadgroup``) their tests go one by one to whichever pytest process is free; every
-# other module's tests stay together in one process, which starts its module fixtures once
+# modules whose tests share nothing but the session's fixtures: under ``make test TEST_JOBS=2``
+# (pytest-xdist, ``--dist loadgroup``) their tests go one by one to whichever pytest process is
+# free; every other module's tests stay together in one process, which starts its module
+# fixtures once
 SPREAD = {"test_reliability.py"}
 
 
