@@ -52,7 +52,6 @@ class _UrgentFirst:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         self.urgent_order = _urgent_order()
-        self.urgent_preemptions = 0  # counted for tests and logs
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         if self.urgent_order is not None and self.policy == SchedulingPolicy.PRIORITY:
@@ -74,7 +73,6 @@ class _UrgentFirst:
                 return
             self.running.remove(victim)
             self._preempt_request(victim, now)  # type: ignore[attr-defined]
-            self.urgent_preemptions += 1
 
 
 class UrgentFirstScheduler(_UrgentFirst, Scheduler):
