@@ -62,6 +62,8 @@ KNOBS: dict[str, dict[str, str]] = {
     "eager": {"VQUEUE_ENFORCE_EAGER": "true"},
     "triton-attn": {"VQUEUE_ATTENTION_BACKEND": "TRITON_ATTN"},
     "flex-attn": {"VQUEUE_ATTENTION_BACKEND": "FLEX_ATTENTION"},
+    # not an engine knob: the logprob early stop's in-engine monitor, off (what watching costs)
+    "no-monitor": {"VQUEUE_CONFIDENCE_MONITOR": "false"},
 }
 
 # what vLLM logs of an engine's memory (0.26 and 0.32 word these lines alike)
@@ -162,7 +164,7 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto", help="dummy: the model has no weights")
     ap.add_argument("--out", required=True)
     ap.add_argument("--knobs", default="bf16,fp8,gptq,awq,kv-fp8,eager")
-    ap.add_argument("--workloads", default="chat,long", help="of: chat, long, long32k")
+    ap.add_argument("--workloads", default="chat,long", help="of: chat, and the suite's (prefix, long, long32k, ...)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--scale", type=float, default=0.6, help="1.0: chat 1,000, long 200, ...")
     ap.add_argument("--warm-scale", type=float, default=0.1)
