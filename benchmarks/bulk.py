@@ -97,7 +97,7 @@ class Run:
         self.store = BatchStore(self.r, PREFIX)
         self.env = dict(
             plugin_env(), VQUEUE_BROKER_URL=self.url, VQUEUE_QUEUE="bulk",
-            VQUEUE_KEY_PREFIX=PREFIX, VQUEUE_HEARTBEAT_S="1",
+            VQUEUE_KEY_PREFIX=PREFIX, VQUEUE_HEARTBEAT_S="1", VQUEUE_RESULT_CACHE="false",
             VQUEUE_ENGINE_CLASS="benchmarks.stub_engine:StubEngine",
             VQUEUE_CONCURRENCY=str(a.concurrency), VQUEUE_VISIBILITY_TIMEOUT_S="30",
             VQUEUE_JOB_TIMEOUT_S="20",

@@ -109,6 +109,7 @@ def main() -> None:
             plugin_env(),
             VQUEUE_BROKER_URL=a.redis,
             VQUEUE_QUEUE="es",
+            VQUEUE_RESULT_CACHE="false",  # each variant runs the same prompts
             VQUEUE_MODEL=a.model,
             VQUEUE_HEARTBEAT_S="1",
             VQUEUE_CONFIDENCE_MONITOR=str(monitor).lower(),

@@ -124,15 +124,17 @@ class OwnWorker(NamedTuple):
 def worker_env(tag: str, model: str, redis_url: str, **env: str) -> dict[str, str]:
     """A benchmark worker's environment: vqueue's vLLM plugin findable, the queue and key prefix
     ``tag`` (nothing shared with another run on the same Redis), ``model``, ``env`` added."""
-    return dict(
-        plugin_env(),
-        VQUEUE_BROKER_URL=redis_url,
-        VQUEUE_QUEUE=tag,
-        VQUEUE_KEY_PREFIX=tag,
-        VQUEUE_MODEL=model,
-        VQUEUE_HEARTBEAT_S="1",
+    return {
+        **plugin_env(),
+        "VQUEUE_BROKER_URL": redis_url,
+        "VQUEUE_QUEUE": tag,
+        "VQUEUE_KEY_PREFIX": tag,
+        "VQUEUE_MODEL": model,
+        "VQUEUE_HEARTBEAT_S": "1",
+        # equal work: rounds repeat their prompts, and every one must reach the engine
+        "VQUEUE_RESULT_CACHE": "false",
         **env,
-    )
+    }
 
 
 def own_worker(

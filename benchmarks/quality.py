@@ -364,6 +364,7 @@ class Worker:
             VQUEUE_QUEUE=tag,
             VQUEUE_KEY_PREFIX=tag,
             VQUEUE_MODEL=a.model,
+            VQUEUE_RESULT_CACHE="false",  # each variant answers the same set
             VQUEUE_HEARTBEAT_S="1",
             **env,
         )

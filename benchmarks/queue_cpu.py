@@ -92,6 +92,7 @@ def stub_overhead(n: int, concurrency: int) -> dict:
         os.environ,
         VQUEUE_BROKER_URL=URL,
         VQUEUE_QUEUE="bench-stub",
+        VQUEUE_RESULT_CACHE="false",
         VQUEUE_KEY_PREFIX="vqbench",
         VQUEUE_ENGINE_CLASS="benchmarks.stub_engine:StubEngine",
         VQUEUE_CONCURRENCY=str(concurrency),

@@ -80,6 +80,7 @@ def main() -> None:
     tag = f"tenants-{uuid.uuid4().hex[:6]}"
     env = dict(
         VQUEUE_BROKER_URL=a.redis, VQUEUE_QUEUE=tag, VQUEUE_KEY_PREFIX=tag, VQUEUE_HEARTBEAT_S="1",
+        VQUEUE_RESULT_CACHE="false",
         VQUEUE_FILES_DIR=str(out / "files"), VQUEUE_API_POLL_S="0.2",
         VQUEUE_ENGINE_CLASS="benchmarks.stub_engine:StubEngine",
         VQUEUE_URGENT_CONCURRENCY="0",  # the stub engine takes no other intake processes

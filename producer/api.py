@@ -102,6 +102,13 @@ def _expires_after(form: Any) -> int | str | None:
                 f"not {str(anchor)[:40]!r} and {str(seconds)[:40]!r}")  # fmt: skip
 
 
+def uses_cache(b: BatchObject) -> bool:
+    """A batch's jobs may be answered from the result cache unless its ``metadata`` says
+    ``"cache": "false"`` (or off, no, 0)."""
+    value = (b.metadata or {}).get("cache", "true").strip().lower()
+    return value not in ("false", "off", "no", "0")
+
+
 def _safe_name(filename: str) -> str:
     """An upload's name as it is echoed back (the file object, ``Content-Disposition``): its
     last path part, printable characters only, bounded."""
@@ -602,6 +609,7 @@ class Batches:
                     yield Envelope(
                         job=p.job, batch=bid, format=p.format, model=p.model,
                         enqueued_at=time.time(), tenant=client.settings.tenant,
+                        cache=uses_cache(b),
                     )  # fmt: skip
 
         try:
@@ -701,7 +709,7 @@ class Batches:
                 if not mine:
                     return
                 jobs = (Envelope(job=p.job, batch=b.id, format=p.format, model=p.model,
-                                 enqueued_at=time.time(), tenant=tenant)
+                                 enqueued_at=time.time(), tenant=tenant, cache=uses_cache(b))
                         for p in self._lines(fh) if p.error is None)  # fmt: skip
                 sent = client.resend(jobs, b.id)
         except FileNotFoundError:  # its input deleted: the batch ends at its window's end

@@ -148,6 +148,11 @@ def cli(ctx: click.Context, broker: str | None, queue: str | None, tenant: str |
 )
 @click.option("--priority", type=click.IntRange(0, 9), help="Priority for lines that set none.")
 @click.option(
+    "--no-cache",
+    is_flag=True,
+    help="Run every line in the engine: no answer from the result cache, none stored in it.",
+)
+@click.option(
     "--system",
     metavar="TEXT",
     help="System prompt for lines that set none ('' for no system turn).",
@@ -172,6 +177,7 @@ def submit(
     batch_id: str | None,
     force: bool,
     priority: int | None,
+    no_cache: bool,
     system: str | None,
     timeout: float | None,
     take: bool,
@@ -254,6 +260,7 @@ def submit(
                     env = Envelope(
                         job=p.job, batch=batch, format=p.format, model=p.model,
                         enqueued_at=time.time(), tenant=client.settings.tenant,
+                        cache=not no_cache,
                     )  # fmt: skip
                     env.wire()
                 except (ValueError, RecursionError) as exc:

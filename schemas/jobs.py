@@ -149,6 +149,8 @@ class _JobBase(BaseModel):
     # logprob early stop: None: the worker's per-type policy; false: off; true: on with that
     # policy; an object: that policy with these fields changed (EarlyStopOverride)
     early_stop: bool | EarlyStopOverride | None = None
+    # false: never answered from the result cache, nor stored in it (worker/cache.py)
+    cache: bool = True
     # echoed back untouched on the result: the caller's own bookkeeping
     metadata: dict[str, Any] = Field(default_factory=dict)
 
@@ -512,6 +514,8 @@ class Envelope(BaseModel):
     prefix_key: str | None = Field(default=None, max_length=64)
     # whose job: the engine caches its prompt's prefix for this tenant alone (vLLM's cache_salt)
     tenant: str | None = Field(default=None, max_length=128)
+    # false: the whole batch bypasses the result cache (``vqueue submit --no-cache``)
+    cache: bool = True
     _wire: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")

@@ -186,6 +186,13 @@ class Choice(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
+class CachedFrom(BaseModel):
+    """The job whose run produced a cached answer."""
+
+    batch: str
+    id: str
+
+
 class JobResult(BaseModel):
     id: str
     batch: str
@@ -219,6 +226,10 @@ class JobResult(BaseModel):
     tool_calls: list[ToolCall] | None = None
     # a codegen job with tests: whether an answer passed them, and each answer's run
     tests: TestReport | None = None
+    # answered from the result cache (worker/cache.py) without the engine: usage is the first
+    # run's, which ``cached_from`` names
+    cached: bool = False
+    cached_from: CachedFrom | None = None
 
 
 class BatchStatus(BaseModel):

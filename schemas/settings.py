@@ -57,6 +57,15 @@ class Settings(BaseSettings):
     queue: str = Field(default="vqueue", pattern=QUEUE_PATTERN)
     key_prefix: str = "vqueue"  # prefix of the Redis keys holding batches and results
     result_ttl_s: int = 7 * 24 * 3600  # batches and their results expire after a week
+    # -- the result cache (worker/cache.py): a greedy or seeded job whose answer is already
+    # known, for the same tenant, model, prompt and parameters, is answered without the engine
+    result_cache: bool = True
+    result_cache_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)
+    # the cache's own bound in bytes (the queue's Redis runs noeviction): past it, new answers
+    # are not stored until old ones expire
+    result_cache_max_bytes: int = Field(default=1 << 30, ge=0)
+    # a Redis of its own for the cache; "": the result backend's
+    result_cache_url: str = ""
     # Redis redelivers an unacknowledged job after this; must exceed job_timeout_s
     visibility_timeout_s: int = 3600
     # a batch sealed and not complete, with nothing queued or running and no new result for

@@ -161,6 +161,9 @@ def worker_env(queue: str = MAIN_QUEUE, **extra: str) -> dict[str, str]:
         "VQUEUE_CONCURRENCY": "16",
         "VQUEUE_HEARTBEAT_S": "1",
         "VQUEUE_METRICS_PORT": "0",
+        # tests run the same jobs again to compare runs and share one key prefix: every job
+        # reaches the engine; tests/test_cache.py turns the cache on for its own worker
+        "VQUEUE_RESULT_CACHE": "false",
     }
     return clean_env(**{**settings, **extra})
 

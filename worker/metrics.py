@@ -109,6 +109,14 @@ LOW_CONFIDENCE = Counter(
     "Jobs whose returned output held the low-confidence rule (flagged, not aborted)",
     ["type"],
 )
+CACHE_LOOKUPS = Counter(
+    "vqueue_result_cache_lookups_total",
+    "Result-cache lookups of determined jobs: hit (answered without the engine) or miss",
+    ["type", "outcome"],
+)
+CACHE_STORED_BYTES = Counter(
+    "vqueue_result_cache_stored_bytes_total", "Bytes of answers stored in the result cache"
+)
 # With several intake processes (``serve``): in flight sums the live ones; the engine's gauges
 # are set by the first process alone, the others hold 0.
 IN_FLIGHT = Gauge(
@@ -241,6 +249,8 @@ def observe(result: JobResult) -> None:
             )
         if timings.finished_at:
             JOB_DURATION.labels(t).observe(max(timings.finished_at - timings.started_at, 0.0))
+    if result.cached:  # its tokens were counted when they were generated
+        return
     PROMPT_TOKENS.labels(t).inc(result.usage.prompt_tokens)
     GENERATION_TOKENS.labels(t).inc(result.usage.completion_tokens)
     aborted = [a.tokens for a in result.attempts if a.reason == "low_confidence"]

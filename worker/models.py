@@ -94,5 +94,36 @@ def _convert(gguf: Path, out: Path) -> None:
     tmp.rename(out)
 
 
+# Files whose bytes decide a model's or adapter's answers (weights and config; the tokenizer's
+# part reaches the cache key through the prompt's token ids).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json")
+
+
+def weights_fingerprint(name: str) -> str:
+    """A digest that changes when the weights at ``name`` (a folder, or a hub id found in the
+    local hub cache) change: each weight and config file's name and size, and the first and
+    last MiB of each (safetensors headers name every tensor's shape and offset). Reading whole
+    files would cost a minute per 100 GB at every start. A hub id with no local files keys on
+    its name and revision alone."""
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(name, local_files_only=True))
+        except Exception:  # not in the local hub cache: vLLM will fetch it; key on the id
+            return hashlib.sha256(f"id:{name}".encode()).hexdigest()
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES):
+        size = f.stat().st_size
+        h.update(f"{f.relative_to(path)}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(-(1 << 20), 2)
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()
+
+
 if __name__ == "__main__":
     print(resolve_model(sys.argv[1] if len(sys.argv) > 1 else EMBEDDED_MODEL))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import logging
 import random
@@ -36,6 +37,8 @@ from schemas import (
 from schemas.jobs import NamedToolChoice
 from schemas.results import FunctionCall, TestAttempt, TestReport, ToolCall
 
+from . import metrics
+from .cache import IDENTITY_FIELDS, ResultCache, determined
 from .confidence import Monitor
 from .engine import EngineError, EngineHost, Generation, JobTimeout, JobWithdrawn
 from .prompts import build_messages, clean, extract_code, special_token_in
@@ -68,6 +71,7 @@ def run_job(
     settings: Settings,
     worker: str,
     templates: Templates | None = None,
+    cache: ResultCache | None = None,
 ) -> JobResult:
     job = env.job
     started = time.time()
@@ -140,19 +144,24 @@ def run_job(
                 f"{settings.max_model_len} and the answer needs at least {MIN_ANSWER_TOKENS}",
             )
         max_tokens = min(want, room)
-        if isinstance(job, ChatJob) and job.n > 1:
-            _choices(job, engine, settings, prompt, max_tokens, room, env, result, grammar,
-                     deadline)  # fmt: skip
-        elif isinstance(job, CodegenJob) and job.tests is not None:
-            _tested(job, engine, settings, prompt, max_tokens, room, env.prefix_key, result,
-                    deadline, env.tenant)  # fmt: skip
-        else:
-            _answer(job, engine, settings, prompt, max_tokens, room, env.prefix_key, result,
-                    grammar, deadline, env.tenant)  # fmt: skip
-        if isinstance(job, ChatJob) and (
-            job.forces_call() or (job.tools and job.tool_choice != "none" and engine.tool_calls)
-        ):
-            _tool_calls(job, engine.tool_calls, result)
+        key = None
+        if cache is not None and env.cache and job.cache and determined(job):
+            key = cache.key(job, result.model or "", env.format, prompt, max_tokens)
+            entry = cache.get(env.tenant, key)
+            if entry is None and not cache.claim(env.tenant, key, _left(deadline)):
+                entry = cache.wait(env.tenant, key, deadline)  # an identical job is running
+            hit = entry is not None and cache.fill(result, entry)
+            metrics.CACHE_LOOKUPS.labels(job.type, "hit" if hit else "miss").inc()
+            if hit:
+                result.timings.finished_at = time.time()
+                return result
+        try:
+            _run(job, engine, settings, env, result, prompt, max_tokens, room, grammar, deadline)
+            if key is not None and result.status == "completed":
+                cache.put(env.tenant, key, result)  # type: ignore[union-attr]
+        finally:
+            if key is not None:
+                cache.release(env.tenant, key)  # type: ignore[union-attr]
     except (JobFailed, SchemaRefused) as exc:
         result.status = "failed"
         result.error = JobError(type=exc.type, message=exc.message)
@@ -167,6 +176,47 @@ def run_job(
         result.error = JobError(type=exc.reason, message=str(exc))  # type: ignore[arg-type]
     result.timings.finished_at = time.time()
     return result
+
+
+def _run(
+    job: Any,
+    engine: EngineHost,
+    settings: Settings,
+    env: Envelope,
+    result: JobResult,
+    prompt: list[int],
+    max_tokens: int,
+    room: int,
+    grammar: dict[str, Any] | None,
+    deadline: float,
+) -> None:
+    """Generate and check the job's answer into ``result`` (a failure raises)."""
+    if isinstance(job, ChatJob) and job.n > 1:
+        _choices(job, engine, settings, prompt, max_tokens, room, env, result, grammar,
+                 deadline)  # fmt: skip
+    elif isinstance(job, CodegenJob) and job.tests is not None:
+        _tested(job, engine, settings, prompt, max_tokens, room, env.prefix_key, result,
+                deadline, env.tenant)  # fmt: skip
+    else:
+        _answer(job, engine, settings, prompt, max_tokens, room, env.prefix_key, result,
+                grammar, deadline, env.tenant)  # fmt: skip
+    if isinstance(job, ChatJob) and (
+        job.forces_call() or (job.tools and job.tool_choice != "none" and engine.tool_calls)
+    ):
+        _tool_calls(job, engine.tool_calls, result)
+
+
+def retry_seed(job: Any, k: int) -> int:
+    """The seed of a job's ``k``-th run after its first (early stop, a loop, failed tests): its
+    own seed plus ``k`` when it set one; for a greedy job, one drawn from its content, so the
+    same job retries the same way each time it runs (its answer stays determined, which the
+    result cache relies on); a sampled job without a seed draws at random."""
+    if job.seed is not None:
+        return job.seed + k if job.seed + k < 2**63 else job.seed - k
+    if job.temperature == 0:
+        content = job.model_dump_json(exclude=IDENTITY_FIELDS).encode()
+        return (int.from_bytes(hashlib.sha256(content).digest()[:4], "little") >> 1) + k
+    return random.randrange(2**31)
 
 
 def _template_tools(job: Any, engine: EngineHost) -> list[dict[str, Any]] | None:
@@ -287,7 +337,7 @@ def _tested(
         if k:
             thrown += result.usage.completion_tokens + result.usage.wasted_tokens
             result.timings.previous_finished_at = time.time()
-            seed = job.seed + k if job.seed is not None else random.randrange(2**31)
+            seed = retry_seed(job, k)
             temperature = job.temperature or settings.codegen_retry_temperature
             run = job.model_copy(update={"seed": seed, "temperature": temperature})
         _answer(run, engine, settings, prompt, max_tokens, room, prefix_key if k == 0 else None,
@@ -506,7 +556,7 @@ def _attempts(
     if policy is None:
         temperature, seed = job.temperature, job.seed
         if penalty and job.temperature > 0:  # a sampled job retries with a new seed too
-            seed = job.seed + 1 if job.seed is not None else random.randrange(2**31)
+            seed = retry_seed(job, 1)
         params = sampling_params(job, max_tokens, temperature, seed, grammar, loops, penalty)
         gen = _as_loop(engine.generate(
             prompt, params, _left(deadline), prefix_key, priority=job.priority,
@@ -582,7 +632,7 @@ def retry_sampling(job: Any, policy: EarlyStop, k: int) -> tuple[float, int | No
     is greedy when ``greedy_last``."""
     if k == 0:
         return job.temperature, job.seed
-    seed = job.seed + k if job.seed is not None else random.randrange(2**31)
+    seed = retry_seed(job, k)
     if k == policy.max_retries and policy.greedy_last:
         return 0.0, seed
     if job.temperature > 0:

