@@ -125,6 +125,26 @@ def test_a_sampled_job_without_a_seed_always_runs(cache_worker: WorkerProc) -> N
 
 
 @pytest.mark.engine
+def test_a_failure_that_is_the_answer_is_cached_and_a_time_out_is_not(
+    cache_worker: WorkerProc,
+) -> None:
+    # a JSON answer cut off at 3 tokens, and again at 6, fails the same way every time it runs
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    cut = {"id": "f1", "type": "extract", "text": f"{RUN}: Anna moved to Lyon in May.",
+           "json_schema": schema, "max_tokens": 3}  # fmt: skip
+    first = _one(cut)
+    assert first.status == "failed" and first.error and first.error.type == "schema_incomplete"
+    again = _one({**cut, "id": "f2"})
+    assert again.cached and again.status == "failed" and again.error == first.error, again
+    # a job that ran out of time says nothing of its answer: not kept
+    slow = _job("f3", "The road was closed for a week.", max_tokens=400, min_tokens=400,
+                ignore_eos=True, timeout_s=0.5)  # fmt: skip
+    late = _one(slow)
+    assert late.error is not None and late.error.type == "timeout", late
+    assert not _one({**slow, "id": "f4"}).cached
+
+
+@pytest.mark.engine
 def test_a_greedy_job_that_was_retried_is_cached_with_its_attempts(
     cache_worker: WorkerProc,
 ) -> None:

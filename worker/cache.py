@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 # What an entry keeps of a result: the answer and how it was reached, not the job's identity
 # (id, batch, metadata, timings and worker are the new job's own).
 ANSWER_FIELDS = {
-    "text", "data", "code", "finish_reason", "usage", "attempts", "low_confidence", "choices",
-    "logprobs", "tool_calls", "tests", "input_chars_cleaned", "input_tokens_truncated",
+    "status", "error", "text", "data", "code", "finish_reason", "usage", "attempts",
+    "low_confidence", "choices", "logprobs", "tool_calls", "tests", "input_chars_cleaned",
+    "input_tokens_truncated",
 }  # fmt: skip
 
 # Job fields that cannot change the answer: who it is, where it goes, when it gives up.

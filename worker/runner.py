@@ -55,6 +55,16 @@ from .structured import (
 
 log = logging.getLogger(__name__)
 
+# Failures that are the answer itself, which the same job run again repeats (the result cache
+# keeps them); a time-out, an engine error or a withdrawn batch say nothing of the answer.
+REPEATED_FAILURES = {
+    "schema_incomplete",
+    "schema_validation",
+    "invalid_json",
+    "loop",
+    "tests_failed",
+}
+
 # Below this many tokens of room an answer is useless; refuse rather than return a stub.
 MIN_ANSWER_TOKENS = 16
 
@@ -156,7 +166,15 @@ def run_job(
                 result.timings.finished_at = time.time()
                 return result
         try:
-            _run(job, engine, settings, env, result, prompt, max_tokens, room, grammar, deadline)
+            try:
+                _run(job, engine, settings, env, result, prompt, max_tokens, room, grammar,
+                     deadline)  # fmt: skip
+            except JobFailed as exc:
+                if key is not None and exc.type in REPEATED_FAILURES:  # its answer, failed
+                    result.status = "failed"
+                    result.error = JobError(type=exc.type, message=exc.message)  # type: ignore[arg-type]
+                    cache.put(env.tenant, key, result)  # type: ignore[union-attr]
+                raise
             if key is not None and result.status == "completed":
                 cache.put(env.tenant, key, result)  # type: ignore[union-attr]
         finally:
