@@ -164,7 +164,9 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto", help="dummy: the model has no weights")
     ap.add_argument("--out", required=True)
     ap.add_argument("--knobs", default="bf16,fp8,gptq,awq,kv-fp8,eager")
-    ap.add_argument("--workloads", default="chat,long", help="of: chat, and the suite's (prefix, long, long32k, ...)")
+    ap.add_argument(
+        "--workloads", default="chat,long", help="chat, and the suite's: prefix, long, long32k"
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--scale", type=float, default=0.6, help="1.0: chat 1,000, long 200, ...")
     ap.add_argument("--warm-scale", type=float, default=0.1)
