@@ -159,7 +159,10 @@ def run_job(
             key = cache.key(job, result.model or "", env.format, prompt, max_tokens)
             entry = cache.get(env.tenant, key)
             if entry is None and not cache.claim(env.tenant, key, _left(deadline)):
-                entry = cache.wait(env.tenant, key, deadline)  # an identical job is running
+                # an identical job is running: wait for its answer with half the time left, so
+                # that one whose worker was killed (its claim outlives it) costs a rerun, not
+                # this job
+                entry = cache.wait(env.tenant, key, deadline - _left(deadline) / 2)
             hit = entry is not None and cache.fill(result, entry)
             metrics.CACHE_LOOKUPS.labels(job.type, "hit" if hit else "miss").inc()
             if hit:
