@@ -26,7 +26,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 import time
+from array import array
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -134,7 +136,10 @@ class ResultCache:
         h.update(self.weights.get(model, model).encode())
         fields = job.model_dump(mode="json", exclude=IDENTITY_FIELDS)
         h.update(json.dumps([fmt, max_tokens, fields], sort_keys=True).encode())
-        h.update(b"".join(t.to_bytes(4, "little") for t in prompt))
+        ids = array("I", prompt)  # one C copy; a long document is tens of thousands of ids
+        if sys.byteorder == "big":
+            ids.byteswap()
+        h.update(ids.tobytes())
         return h.hexdigest()
 
     def _entry(self, tenant: str | None, key: str) -> str:
