@@ -188,7 +188,11 @@ class ResultCache:
             except RedisError:
                 return None
             if raw is not None:
-                return self.get(tenant, key)
+                try:
+                    found: dict[str, Any] = json.loads(raw)
+                except ValueError:
+                    return None
+                return found
             if not running:
                 return None
             time.sleep(pause)

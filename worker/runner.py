@@ -154,7 +154,7 @@ def run_job(
                 f"{settings.max_model_len} and the answer needs at least {MIN_ANSWER_TOKENS}",
             )
         max_tokens = min(want, room)
-        key = None
+        key = ""  # the job's result-cache key, when it has one
         if cache is not None and env.cache and job.cache and determined(job):
             key = cache.key(job, result.model or "", env.format, prompt, max_tokens)
             entry = cache.get(env.tenant, key)
@@ -168,21 +168,21 @@ def run_job(
             if hit:
                 result.timings.finished_at = time.time()
                 return result
+        keeper = cache if key else None  # the cache this job's answer goes to
         try:
-            try:
-                _run(job, engine, settings, env, result, prompt, max_tokens, room, grammar,
-                     deadline)  # fmt: skip
-            except JobFailed as exc:
-                if key is not None and exc.type in REPEATED_FAILURES:  # its answer, failed
-                    result.status = "failed"
-                    result.error = JobError(type=exc.type, message=exc.message)  # type: ignore[arg-type]
-                    cache.put(env.tenant, key, result)  # type: ignore[union-attr]
-                raise
-            if key is not None and result.status == "completed":
-                cache.put(env.tenant, key, result)  # type: ignore[union-attr]
+            _run(job, engine, settings, env, result, prompt, max_tokens, room, grammar, deadline)
+        except JobFailed as exc:
+            if keeper is not None and exc.type in REPEATED_FAILURES:  # its answer, failed
+                result.status = "failed"
+                result.error = JobError(type=exc.type, message=exc.message)  # type: ignore[arg-type]
+                keeper.put(env.tenant, key, result)
+            raise
+        else:
+            if keeper is not None and result.status == "completed":
+                keeper.put(env.tenant, key, result)
         finally:
-            if key is not None:
-                cache.release(env.tenant, key)  # type: ignore[union-attr]
+            if keeper is not None:
+                keeper.release(env.tenant, key)
     except (JobFailed, SchemaRefused) as exc:
         result.status = "failed"
         result.error = JobError(type=exc.type, message=exc.message)
