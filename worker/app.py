@@ -304,12 +304,32 @@ def create_app(settings: Settings | None = None) -> Celery:
     return app
 
 
+HAND_BACK_S = 5.0  # how long a stopping process has to hand its jobs back before it exits anyway
+
+
+def exit_after_handing_back(code: int) -> None:
+    """End this process with ``code`` through Celery's warm shutdown, which stops the consumer
+    first: the jobs the process then hands back (running tasks reject theirs, closing the
+    channel restores the prefetched ones) are not taken by it again, and it never exits in the
+    middle of taking one. kombu's BRPOP removes a job from its list before the next command
+    records it as unacknowledged; a process that ends between the two loses that job, and one
+    that keeps consuming while it hands jobs back keeps opening that gap until it exits.
+    ``os._exit`` follows after ``HAND_BACK_S`` in case the shutdown hangs: Celery's loop reads
+    the flag on each turn, at least once a second, so by then nothing is being taken."""
+    from celery.worker import state as worker_state
+
+    worker_state.should_stop = code
+    timer = threading.Timer(HAND_BACK_S, os._exit, args=(code,))
+    timer.daemon = True  # a shutdown that ends in time exits at once
+    timer.start()
+
+
 settings = get_settings()
 if settings.frontend:  # an intake process ends with the worker that started it, watched from
     # import on: that worker can die while this process is still starting
     from .vllm_ext.plugin import watch_owner
 
-    watch_owner(settings.intake_owner or os.getppid())
+    watch_owner(settings.intake_owner or os.getppid(), on_gone=lambda: exit_after_handing_back(70))
 app = create_app(settings)
 guard_closed_channels()
 reuse_broker_clients()

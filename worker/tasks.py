@@ -17,7 +17,6 @@ job instead of looping.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 import time
@@ -42,7 +41,7 @@ from schemas.jobs import BATCH_PATTERN, CHECKED
 from schemas.results import ErrorType
 
 from . import metrics
-from .app import EXIT_ENGINE, app, settings, state, while_full
+from .app import EXIT_ENGINE, app, exit_after_handing_back, settings, state, while_full
 from .engine import EngineDead
 
 log = logging.getLogger(__name__)
@@ -155,7 +154,7 @@ def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
         result = _failed(task, payload, "invalid_job", str(exc).splitlines()[0])
     else:
         if _dying:  # the engine is gone and the process about to exit: hand back, uncounted
-            time.sleep(0.5)
+            time.sleep(0.5)  # its consumer stops within a second: no cycling the queue till then
             raise Reject("the engine died; the job goes back to the queue", requeue=True)
         started = while_full("start", lambda: store().start(env.batch, env.job.id))
         done, attempts, withdrawn = started
@@ -267,14 +266,14 @@ def _unrecordable(task: Task, payload: Any, exc: RedisError) -> dict[str, Any]:
 
 
 def _engine_died() -> None:
-    """Exit non-zero so the supervisor restarts the worker; other tasks get 2 s to hand their
-    jobs back (the rest return to the queue after the visibility timeout)."""
+    """Exit non-zero so the supervisor restarts the worker, once every job this process holds
+    is handed back (those it cannot hand back return after the visibility timeout)."""
     global _dying
     with _lock:
         if not _dying:
             _dying = True
             log.critical("the vLLM engine died; exiting %d for a restart", EXIT_ENGINE)
-            threading.Timer(2.0, os._exit, args=(EXIT_ENGINE,)).start()
+            exit_after_handing_back(EXIT_ENGINE)
 
 
 def _dead_letter(

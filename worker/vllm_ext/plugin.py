@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 OWNER_ENV = "VQUEUE_ENGINE_OWNER"
 PLAN_ENV = "VQUEUE_ENGINE_PLAN"
@@ -63,8 +64,12 @@ def _grammar_threads() -> int:
 _WATCHED: set[int] = set()
 
 
-def watch_owner(pid: int, every_s: float = WATCH_S) -> None:
-    """Exit this process within ``every_s`` of process ``pid`` dying (once per process)."""
+def watch_owner(
+    pid: int, every_s: float = WATCH_S, on_gone: Callable[[], None] | None = None
+) -> None:
+    """Exit this process within ``every_s`` of process ``pid`` dying (once per process), or
+    call ``on_gone`` then instead: a process that holds jobs must stop taking them before it
+    exits (``worker.app.exit_after_handing_back``)."""
     if pid in _WATCHED:
         return
     _WATCHED.add(pid)
@@ -73,8 +78,11 @@ def watch_owner(pid: int, every_s: float = WATCH_S) -> None:
     def watch() -> None:
         while _alive(pid, born):
             time.sleep(every_s)
-        log.error("vqueue: the worker (pid %d) is gone; this engine process exits", pid)
-        os._exit(70)  # EX_SOFTWARE: nothing to flush, and no one left to report to
+        log.error("vqueue: the worker (pid %d) is gone; this process exits", pid)
+        if on_gone is not None:
+            on_gone()
+        else:
+            os._exit(70)  # EX_SOFTWARE: nothing to flush, and no one left to report to
 
     threading.Thread(target=watch, name="vqueue-owner-watch", daemon=True).start()
 
