@@ -9,7 +9,9 @@ one table for the whole binary (``vqueue worker`` exits with the worker's):
     8 STALLED (waiting ended: no live worker, or no new result, for too long)
     9 ENGINE (a worker's engine failed to start or died: restart it)
     10 CONFIG (`vqueue worker --check`: this configuration cannot run)
-    11 STOPPED (Redis refused part of a submission)    130 INTERRUPTED (Ctrl-C while waiting)
+    11 STOPPED (Redis refused part of a submission)
+    12 PAUSED (the batch's canary failed: `vqueue resume` or `vqueue cancel` decides)
+    130 INTERRUPTED (Ctrl-C while waiting)
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from protocol.exits import (
     RET_INPUT,
     RET_INTERRUPTED,
     RET_NOT_FOUND,
+    RET_PAUSED,
     RET_REFUSED,
     RET_STALLED,
     RET_STOPPED,
@@ -43,6 +46,7 @@ from protocol.exits import (
 )
 from schemas import (
     BatchStatus,
+    CanaryReport,
     Envelope,
     JobResult,
     Settings,
@@ -157,6 +161,12 @@ def cli(ctx: click.Context, broker: str | None, queue: str | None, tenant: str |
     metavar="TEXT",
     help="System prompt for lines that set none ('' for no system turn).",
 )
+@click.option(
+    "--canary",
+    metavar="SHARE",
+    help="Run this share of the lines first (e.g. 2%), spread over FILE, and send the rest only "
+    "if their answers pass the VQUEUE_CANARY_* checks; else the batch pauses (exit 12).",
+)
 @click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
 @click.option(
     "--take",
@@ -179,6 +189,7 @@ def submit(
     priority: int | None,
     no_cache: bool,
     system: str | None,
+    canary: str | None,
     timeout: float | None,
     take: bool,
     as_json: bool,
@@ -192,8 +203,18 @@ def submit(
     this process dies, the same command with --batch ID resumes the feed where it stopped.
     """
     from .client import new_batch_id
-    from .inputs import parse_lines, read_lines
+    from .inputs import Parsed, parse_lines, read_lines
 
+    share = None
+    if canary is not None:
+        from .canary import parse_share
+
+        try:
+            share = parse_share(canary)
+        except ValueError as exc:
+            fail(f"--canary: {exc}", RET_USAGE)
+        if file == "-":
+            fail("--canary needs a file: its lines are read once for the canary", RET_USAGE)
     if (out_path or errors_path) and not wait:
         fail("--out and --errors need --wait (or use 'vqueue results BATCH' later)", RET_USAGE)
     if take and not out_path:
@@ -239,35 +260,79 @@ def submit(
                 yield raw
             bar.update(pending)
 
+        def envelope(p: Parsed, on_bad: Callable[[int, str | None, str], None]) -> Envelope | None:
+            """The line's envelope; None for a bad line, told to ``on_bad``: whatever a line
+            holds, it is rejected alone, never the file."""
+            if p.error is not None:
+                on_bad(p.line, p.custom_id, p.error)
+                return None
+            name = getattr(p.job, "template", None)
+            if name is not None and not client.template_known(name):
+                on_bad(p.line, p.job.id, f"unknown template {name!r} (see 'vqueue templates list')")
+                return None
+            try:
+                env = Envelope(
+                    job=p.job, batch=batch, format=p.format, model=p.model,
+                    enqueued_at=time.time(), tenant=client.settings.tenant, cache=not no_cache,
+                )  # fmt: skip
+                env.wire()
+            except (ValueError, RecursionError) as exc:
+                on_bad(p.line, p.job.id, f"cannot be enqueued: {exc}")
+                return None
+            return env
+
         def envelopes() -> Iterator[Envelope]:
-            """The good lines as envelopes; bad ones are reported here and skipped: whatever a
-            line holds, it is rejected alone, never the file. A resumed feed checks the lines
-            its first run sent (so ``rejected`` counts the whole input) and sends the rest."""
+            """The good lines as envelopes; bad ones are reported here and skipped. A resumed
+            feed checks the lines its first run sent (so ``rejected`` counts the whole input)
+            and sends the rest."""
             nonlocal good
             for p in parse_lines(lines(), default_priority=priority, default_system=system):
-                if p.error is not None:
-                    reject(p.line, p.custom_id, p.error)
+                if good < skip:  # sent by the feed this one resumes
+                    if p.error is None:
+                        good += 1
+                    else:
+                        reject(p.line, p.custom_id, p.error)
                     continue
-                name = getattr(p.job, "template", None)
-                if name is not None and not client.template_known(name):
-                    error = f"unknown template {name!r} (see 'vqueue templates list')"
-                    reject(p.line, p.job.id, error)
-                    continue
-                if good < skip:
+                env = envelope(p, reject)
+                if env is not None:
                     good += 1
-                    continue
-                try:
-                    env = Envelope(
-                        job=p.job, batch=batch, format=p.format, model=p.model,
-                        enqueued_at=time.time(), tenant=client.settings.tenant,
-                        cache=not no_cache,
-                    )  # fmt: skip
-                    env.wire()
-                except (ValueError, RecursionError) as exc:
-                    reject(p.line, p.job.id, f"cannot be enqueued: {exc}")
-                    continue
-                good += 1
-                yield env
+                    yield env
+
+        ran_canary = 0  # the canary's jobs, sent before the feed (which skips them)
+        if share is not None and created:
+
+            def quietly(_line: int, _ident: str | None, _error: str) -> None:
+                """The feed reports bad lines; the canary's pass over the input skips them."""
+
+            from .canary import pick
+
+            def picked() -> Iterator[Envelope]:
+                with open(file, "rb") as again:
+                    parsed = parse_lines(read_lines(again), priority, system)
+                    for p in pick(parsed, share, client.settings.canary_min_jobs, file):
+                        env = envelope(p, quietly)
+                        if env is not None:
+                            yield env
+
+            sample = list(picked())
+            if not sample:
+                bar.close()
+                client.store.delete(batch)
+                fail(f"{file}: no valid job among the canary's lines", RET_INPUT)
+            ran_canary, report = _canary(client, batch, sample, quiet, timeout)
+            options = {"priority": priority, "system": system, "no_cache": no_cache}
+            client.store.canary_ended(batch, report, options)
+            if not report.passed:
+                bar.close()
+                if as_json:
+                    click.echo(json.dumps({"batch": batch, "paused": True,
+                                           "canary": report.model_dump()}))  # fmt: skip
+                else:
+                    click.echo(batch)  # as on success: a script reads the batch id from stdout
+                fail(f"batch {batch} paused: {_canary_words(batch, report)}", RET_PAUSED)
+            _say(f"batch {batch}: its canary passed ({report.summary()}); sending the rest")
+        elif share is not None:
+            _say(f"batch {batch} exists: no canary runs for the rest of its input")
 
         from .client import Refused, SubmissionStopped
 
@@ -361,11 +426,15 @@ def submit(
                 RET_INPUT,
             )
         try:  # the batch is whole in Redis from here: Ctrl-C leaves it running, and says so
-            if handle.skipped:
-                skipped = handle.skipped
+            if handle.skipped > ran_canary:
+                skipped = handle.skipped - ran_canary
                 _say(f"{skipped} job(s) skipped: their ids already have results in batch {batch}")
             good -= handle.skipped
-            click.echo(f"batch {batch}: {good} jobs enqueued, {rejected} lines rejected", err=True)
+            canary_note = f" (and {ran_canary} in its canary)" if ran_canary else ""
+            click.echo(
+                f"batch {batch}: {good} jobs enqueued{canary_note}, {rejected} lines rejected",
+                err=True,
+            )
             if not wait:
                 if not as_json:
                     click.echo(batch)
@@ -378,6 +447,56 @@ def submit(
                 click.echo(json.dumps(summary))
         except KeyboardInterrupt:
             _interrupted(batch)
+
+
+def _canary(
+    client: Any, batch: str, jobs: list[Envelope], quiet: bool, timeout: float | None
+) -> tuple[int, CanaryReport]:
+    """Send the canary's jobs into the open batch and wait for their answers; how many ran,
+    and the report on them."""
+    from .canary import judge
+    from .client import BatchNotFound, Stalled, WaitTimeout
+
+    handle = client.submit_many(jobs, batch=batch, seal=False)
+    sent = len(jobs) - handle.skipped
+    _say(f"batch {batch}: canary of {sent} jobs sent; the rest waits for its answers")
+    bar = _bar(quiet, total=sent, unit="job", desc="canary")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    told = False
+    try:
+        while True:
+            st = client.store.status(batch)
+            if st is None:
+                raise BatchNotFound(f"batch {batch} is gone")
+            bar.update(st.done - bar.n)
+            if st.done >= st.total:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise WaitTimeout(f"batch {batch}: its canary has {st.remaining} jobs running")
+            if not told and not client.store.consumed(client.settings.queue):
+                told = True
+                _warn_if_nobody_consumes(client)
+            time.sleep(0.5)
+    except WaitTimeout as exc:
+        bar.close()
+        fail(f"{exc}; the rest of the input was not sent", RET_TIMEOUT)
+    except (Stalled, BatchNotFound) as exc:
+        bar.close()
+        fail(str(exc), RET_STALLED)
+    except KeyboardInterrupt:
+        bar.close()
+        _say(f"batch {batch}: the canary runs on; nothing else of the input was sent")
+        sys.exit(RET_INTERRUPTED)
+    bar.close()
+    return sent, judge(jobs, client.store.iter_all(batch), client.settings)
+
+
+def _canary_words(batch: str, report: CanaryReport) -> str:
+    return (
+        f"its canary failed ({report.summary()}): {'; '.join(report.reasons)}. "
+        f"'vqueue resume {batch}' sends the rest of its input; 'vqueue cancel {batch}' ends it "
+        "with what ran"
+    )
 
 
 def _resume_at(client: Any, batch: str, source: str) -> int:
@@ -524,7 +643,18 @@ def _batch_status(client: Any, batch: str, as_json: bool) -> str:
         + (f"; prefix cache {hits:.0%} of prompt tokens" if hits is not None else "")
         + (f"\nsubmission stopped: {st.error}" if st.error else "")
         + _feed_line(batch, st)
+        + _canary_line(batch, st)
     )
+
+
+def _canary_line(batch: str, st: BatchStatus) -> str:
+    if st.canary is None:
+        return ""
+    if st.paused:
+        return f"\npaused: {_canary_words(batch, st.canary)}"
+    if st.canary.passed:
+        return f"\ncanary passed: {st.canary.summary()}"
+    return f"\ncanary failed, then resumed: {'; '.join(st.canary.reasons)}"
 
 
 def _feed_line(batch: str, st: BatchStatus) -> str:
@@ -975,6 +1105,39 @@ def cancel(obj: Ctx, batch: str) -> None:
     if not obj.client.cancel(batch):
         fail(f"no batch {batch!r}", RET_NOT_FOUND)
     click.echo(f"batch {batch}: jobs not yet started are withdrawn")
+
+
+@cli.command()
+@click.argument("batch")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.pass_context
+def resume(ctx: click.Context, batch: str, as_json: bool, quiet: bool) -> None:
+    """Send the rest of BATCH, which its canary paused, from the file it was submitted from,
+    with the options it was submitted with."""
+    _check_batch(batch)
+    client = ctx.obj.client
+    st = client.store.status(batch)
+    if st is None:
+        fail(f"no batch {batch!r}", RET_NOT_FOUND)
+    if not st.paused:
+        fail(f"batch {batch} is not paused", RET_USAGE)
+    source = client.store.feed_state(batch)[2]
+    if not source or not os.path.isfile(source):
+        fail(
+            f"batch {batch} was submitted from {source or 'stdin'}, which is not here to read; "
+            f"submit that input again with --batch {batch}",
+            RET_INPUT,
+        )
+    options = client.store.unpause(batch)
+    if options is None:
+        fail(f"batch {batch} is not paused", RET_USAGE)
+    _say(f"batch {batch}: resumed; sending the rest of {source}")
+    ctx.invoke(
+        submit, file=source, batch_id=batch, as_json=as_json, quiet=quiet,
+        priority=options.get("priority"), system=options.get("system"),
+        no_cache=bool(options.get("no_cache")),
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- serve, keys

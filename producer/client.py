@@ -142,6 +142,12 @@ class _Follow:
             self.done, self.progress_at, self.told_stall = st.done, now, False
         if self.deadline is not None and now > self.deadline:
             raise WaitTimeout(f"batch {self.batch.id}: {st.remaining} jobs still running")
+        if st.paused and st.done >= st.total:
+            raise Stalled(
+                f"batch {self.batch.id} is paused: its canary failed; 'vqueue status "
+                f"{self.batch.id}' says why, 'vqueue resume {self.batch.id}' sends the rest of "
+                f"its input, 'vqueue cancel {self.batch.id}' ends it"
+            )
         if now - self.checked_at >= LIVENESS_CHECK_S:
             self.checked_at = now
             self._check_workers(now, st.remaining)
@@ -428,6 +434,8 @@ class Client:
         are recorded here, so the batch ends now. False if there is no such batch."""
         if not self.store.withdraw(batch_id, "cancelled"):
             return False
+        if self.store.unpause(batch_id) is not None:  # its canary failed: the rest never goes
+            self.store.seal(batch_id, fed_all=True)
         if not self.store.consumed(self.store.queue_of(batch_id)):
             self.store.close_unstarted(batch_id)
         return True

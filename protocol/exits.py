@@ -13,4 +13,5 @@ RET_STALLED = 8  # waiting ended: no live worker, or no new result, for too long
 RET_ENGINE = 9  # (vqueue worker) the engine failed to start or died: restart the worker
 RET_CONFIG = 10  # (vqueue worker) this configuration cannot run here
 RET_STOPPED = 11  # Redis refused part of a submission (full, or gone); the batch id is printed
+RET_PAUSED = 12  # the batch's canary failed: the rest waits for `vqueue resume` or `vqueue cancel`
 RET_INTERRUPTED = 130  # Ctrl-C while waiting (the shell's 128 + SIGINT); the batch runs on

@@ -3,6 +3,7 @@
 Per batch ``b`` (keys under the settings' ``key_prefix``):
 
 - ``{p}:batch:{b}``          hash: total, completed, failed, rejected, sealed, created_at, ...
+                             (canary: its report; paused, feed_options: a failed canary's)
 - ``{p}:batch:{b}:done``     hash: job id -> "" once enqueued, its stream entry id once done
 - ``{p}:batch:{b}:results``  stream: one entry per finished job, ``result`` = JobResult JSON
 - ``{p}:batch:{b}:attempts`` hash: job id -> deliveries started (a poison job is dead-lettered)
@@ -32,7 +33,7 @@ from typing import Any
 
 import redis
 
-from schemas import BatchStatus, JobError, JobResult, Settings, Timings
+from schemas import BatchStatus, CanaryReport, JobError, JobResult, Settings, Timings
 from schemas.jobs import BATCH_PATTERN
 from schemas.templates import Template
 
@@ -398,6 +399,26 @@ class BatchStore:
         script = self._stopped if self._flags else self._stopped_unflagged
         script(keys=[self.key(batch)], args=[reason[:2000], rejected])
 
+    def canary_ended(
+        self, batch: str, report: CanaryReport, feed: dict[str, Any] | None = None
+    ) -> None:
+        """Keep the canary's report; one that failed pauses the batch, keeping how its feed
+        was made (``feed``: the submit options a resume sends the rest of the input with)."""
+        mapping: dict[str, Any] = {"canary": report.model_dump_json()}
+        if not report.passed:
+            mapping.update(paused=1, feed_options=json.dumps(feed or {}))
+        self.r.hset(self.key(batch), mapping=mapping)
+
+    def unpause(self, batch: str) -> dict[str, Any] | None:
+        """End the batch's pause; the submit options its feed was made with, or None when it
+        was not paused."""
+        pipe = self.r.pipeline()
+        pipe.hget(self.key(batch), "paused")
+        pipe.hget(self.key(batch), "feed_options")
+        pipe.hdel(self.key(batch), "paused", "feed_options")
+        paused, options, _ = pipe.execute()
+        return json.loads(options or "{}") if paused == "1" else None
+
     def delete(self, batch: str) -> None:
         parts = ("", "done", "results", "attempts")
         self.r.delete(*(self.key(batch, p) for p in parts))
@@ -462,6 +483,8 @@ class BatchStore:
             fed=int(h["fed"]) if h.get("fed") else None,
             fed_at=float(h["fed_at"]) if h.get("fed_at") else None,
             fed_by=h.get("fed_by") or None,
+            canary=CanaryReport.model_validate_json(h["canary"]) if h.get("canary") else None,
+            paused=h.get("paused") == "1",
         )
 
     def is_sealed(self, batch: str) -> bool:

@@ -21,7 +21,17 @@ from .openai import (
     rejected_line,
     request_line,
 )
-from .results import ERROR_TYPES, Attempt, BatchStatus, Choice, JobError, JobResult, Timings, Usage
+from .results import (
+    ERROR_TYPES,
+    Attempt,
+    BatchStatus,
+    CanaryReport,
+    Choice,
+    JobError,
+    JobResult,
+    Timings,
+    Usage,
+)
 from .settings import EarlyStop, Settings, get_settings
 
 __all__ = [
@@ -32,6 +42,7 @@ __all__ = [
     "CompletionRequestInput",
     "ResponsesRequestInput",
     "BatchStatus",
+    "CanaryReport",
     "ChatJob",
     "ChatMessage",
     "Choice",

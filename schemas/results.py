@@ -232,6 +232,30 @@ class JobResult(BaseModel):
     cached_from: CachedFrom | None = None
 
 
+class CanaryReport(BaseModel):
+    """What a batch's canary found (``producer.canary``): each share over its jobs, and the
+    thresholds it crossed. A report with reasons paused its batch."""
+
+    jobs: int
+    failed: float
+    runaway: float  # ended `loop` or `schema_incomplete`
+    wrong_language: float  # of the answers whose script could be told, and their input's
+    low_confidence: float
+    length: float  # mean completion tokens over max_tokens, of jobs free to stop sooner
+    reasons: list[str] = Field(default_factory=list)  # each threshold crossed, in words
+
+    @property
+    def passed(self) -> bool:
+        return not self.reasons
+
+    def summary(self) -> str:
+        return (
+            f"{self.jobs} jobs: {self.failed:.0%} failed, {self.runaway:.0%} ran away, "
+            f"{self.wrong_language:.0%} in another language, {self.low_confidence:.0%} low "
+            f"confidence, answers {self.length:.0%} of max_tokens on average"
+        )
+
+
 class BatchStatus(BaseModel):
     """Counters for one batch, as ``vqueue status BATCH`` reports them."""
 
@@ -256,6 +280,10 @@ class BatchStatus(BaseModel):
     fed: int | None = None
     fed_at: float | None = None
     fed_by: str | None = None  # the feeding process, host:pid
+    # its canary's report (`vqueue submit --canary`); paused: the canary failed and the rest of
+    # the input waits for `vqueue resume` (or `vqueue cancel`)
+    canary: CanaryReport | None = None
+    paused: bool = False
 
     @property
     def prefix_hit_rate(self) -> float | None:

@@ -306,6 +306,18 @@ class Settings(BaseSettings):
     # Redis (a feed whose process died is resumed by submitting the same input again with the
     # batch id). 0: four times what the live workers hold in flight, at least 10,000.
     feed_window: int = Field(default=0, ge=0)
+    # a canary (`vqueue submit --canary 2%`) runs at least this many lines (all, if fewer)
+    canary_min_jobs: int = Field(default=10, ge=1)
+    # a canary fails, and its batch pauses, when more of its jobs than this share failed,
+    canary_max_failed: float = Field(default=0.10, ge=0, le=1)
+    # ... ran away (ended `loop`, or `schema_incomplete`: out of tokens inside the JSON),
+    canary_max_runaway: float = Field(default=0.05, ge=0, le=1)
+    # ... answered in another script than their input's (Latin, CJK, Cyrillic, ...),
+    canary_max_wrong_language: float = Field(default=0.20, ge=0, le=1)
+    # ... held the output's low-confidence flag (docs/early-stop.md),
+    canary_max_low_confidence: float = Field(default=0.20, ge=0, le=1)
+    # or when answers average more than this share of their max_tokens
+    canary_max_length: float = Field(default=0.90, ge=0, le=1)
     # send each job to the live worker its prefix key hashes to (rendezvous hashing), so a
     # prefix is computed on one GPU; a worker with this many jobs waiting in its own queue is
     # skipped for the least-loaded one (0: the worker's concurrency)

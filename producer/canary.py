@@ -1,0 +1,162 @@
+"""Canary-gated batches: a sample spread over the input runs first, and the rest is sent only
+if its answers look sane (``vqueue submit --canary 2%``).
+
+A batch that goes wrong usually goes wrong everywhere: a schema the model loops on, a template
+whose answers all run to ``max_tokens``, a prompt answered in the wrong language. The canary
+finds that out on a few jobs instead of a million. Its jobs are the batch's own lines, so
+its answers are kept and the full feed skips them (an id with a result is not sent again).
+What it checks, each against a ``VQUEUE_CANARY_*`` threshold (``schemas.settings``): the
+share failed, ran away (``loop``, ``schema_incomplete``), in another script than the input,
+low in confidence, and the answers' mean length over their ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Iterable, Iterator, Sequence
+
+from schemas import CanaryReport, Envelope, JobResult, Settings
+
+from .inputs import Parsed, read_lines
+
+# answers and inputs with fewer letters than this are not judged for their language, nor those
+# whose main script holds less than this share of their letters (a mixed text has no one language)
+MIN_LETTERS = 20
+MAIN_SCRIPT_SHARE = 0.8
+RUNAWAY = ("loop", "schema_incomplete")
+
+
+def parse_share(text: str) -> float:
+    """``"2%"`` or ``"0.02"`` as a share in (0, 1]; ``ValueError`` otherwise."""
+    raw = text.strip()
+    value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    if not 0 < value <= 1:
+        raise ValueError(f"{text!r} is not a share of the input between 0% and 100%")
+    return value
+
+
+def spacing(lines: int, share: float, min_jobs: int) -> int:
+    """Take every ``spacing``-th of ``lines`` input lines: about ``share`` of them, at least
+    ``min_jobs`` (every line, if there are fewer), spread over the whole input."""
+    want = min(lines, max(round(lines * share), min_jobs))
+    return max(lines // max(want, 1), 1)
+
+
+def pick(parsed: Iterable[Parsed], share: float, min_jobs: int, path: str) -> Iterator[Parsed]:
+    """The canary's lines of ``parsed`` (the input at ``path``, parsed): every n-th non-blank
+    line, counted first, so that about ``share`` of them, at least ``min_jobs``, spread over
+    all of it."""
+    with open(path, "rb") as fh:
+        lines = sum(1 for raw in read_lines(fh) if raw.strip())
+    every = spacing(lines, share, min_jobs)
+    for i, p in enumerate(parsed):
+        if i % every == every // 2:
+            yield p
+
+
+def script(text: str) -> str | None:
+    """The script the text's letters are written in (``LATIN``, ``CJK``, ``CYRILLIC``, ...);
+    None with fewer than ``MIN_LETTERS`` letters, or no script holding ``MAIN_SCRIPT_SHARE`` of
+    them. Han, kana and hangul count as one: a Chinese question answered in Japanese is not
+    what this catches."""
+    counts: dict[str, int] = {}
+    letters = 0
+    for ch in text:
+        if not ch.isalpha():
+            continue
+        letters += 1
+        name = unicodedata.name(ch, "")
+        word = name.split(" ", 1)[0]
+        if word in ("CJK", "HIRAGANA", "KATAKANA", "HANGUL"):
+            word = "CJK"
+        counts[word] = counts.get(word, 0) + 1
+    if letters < MIN_LETTERS:
+        return None
+    main = max(counts, key=counts.__getitem__)
+    return main if counts[main] >= MAIN_SCRIPT_SHARE * letters else None
+
+
+def _input_text(env: Envelope) -> str:
+    job = env.job
+    for field in ("text", "instruction", "prompt"):
+        value = getattr(job, field, None)
+        if isinstance(value, str):
+            return value
+    messages = getattr(job, "messages", None) or []
+    users = [m.content for m in messages if m.role == "user" and isinstance(m.content, str)]
+    return users[-1] if users else ""
+
+
+def _answer_text(result: JobResult) -> str:
+    if isinstance(result.data, dict | list):
+        return " ".join(_strings(result.data))
+    return result.text or ""
+
+
+def _strings(value: object) -> Iterable[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def _asked_long(env: Envelope, cap: int, share: float) -> bool:
+    """The job asked for its length (``ignore_eos``, or ``min_tokens`` near ``max_tokens``):
+    answers that run to ``max_tokens`` then are what it wanted."""
+    job = env.job
+    return bool(getattr(job, "ignore_eos", False)) or (job.min_tokens or 0) >= share * cap
+
+
+def judge(jobs: Sequence[Envelope], results: Iterable[JobResult], s: Settings) -> CanaryReport:
+    """The canary's report on ``results`` (the batch's, one per job of ``jobs``)."""
+    by_id = {env.job.id: env for env in jobs}
+    n = failed = runaway = low = judged = wrong = free = 0
+    length = 0.0
+    for res in results:
+        env = by_id.get(res.id)
+        if env is None:
+            continue
+        n += 1
+        failed += res.status == "failed"
+        runaway += res.error is not None and res.error.type in RUNAWAY
+        low += res.low_confidence
+        cap = env.job.max_tokens or s.default_max_tokens(env.job.type)
+        if not _asked_long(env, cap, s.canary_max_length):
+            free += 1
+            length += min(res.usage.completion_tokens / cap, 1.0)
+        if env.job.type != "codegen":  # code is written in Latin letters whatever is asked
+            asked, said = script(_input_text(env)), script(_answer_text(res))
+            if asked and said:
+                judged += 1
+                wrong += asked != said
+    share = (lambda k: k / n) if n else (lambda k: 0.0)
+    report = CanaryReport(
+        jobs=n,
+        failed=share(failed),
+        runaway=share(runaway),
+        wrong_language=wrong / judged if judged else 0.0,
+        low_confidence=share(low),
+        length=length / free if free else 0.0,
+    )
+    checks = (
+        ("failed", report.failed, s.canary_max_failed, "failed"),
+        ("ran away (loop, schema_incomplete)", report.runaway, s.canary_max_runaway, "runaway"),
+        ("answered in another language", report.wrong_language, s.canary_max_wrong_language,
+         "wrong_language"),
+        ("had low confidence", report.low_confidence, s.canary_max_low_confidence,
+         "low_confidence"),
+    )  # fmt: skip
+    for what, value, limit, name in checks:
+        if value > limit:
+            env_var = f"VQUEUE_CANARY_MAX_{name.upper()}"
+            report.reasons.append(f"{value:.0%} {what}, over {limit:.0%} ({env_var})")
+    if report.length > s.canary_max_length:
+        report.reasons.append(
+            f"answers ran to {report.length:.0%} of max_tokens on average, over "
+            f"{s.canary_max_length:.0%} (VQUEUE_CANARY_MAX_LENGTH)"
+        )
+    return report

@@ -1,0 +1,206 @@
+"""Canary-gated batches (``vqueue submit --canary``): a sample spread over the input runs first,
+through the real command, the session's real worker and engine; a batch whose canary fails
+pauses until ``vqueue resume`` or ``vqueue cancel`` (producer/canary.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from producer.canary import judge, pick, script, spacing
+from producer.inputs import Parsed
+from protocol.exits import RET_NOT_FOUND, RET_PAUSED, RET_STALLED, RET_USAGE
+from schemas import Envelope, JobError, JobResult, Settings, Timings, Usage
+from schemas.jobs import SummarizeJob
+
+from .conftest import RUN, WorkerProc, run_cli
+
+NAME = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}},
+        "required": ["name"]}  # fmt: skip
+
+
+def _write(path: Path, jobs: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(j) + "\n" for j in jobs))
+    return path
+
+
+def _status(batch: str) -> dict[str, Any]:
+    proc = run_cli("status", batch, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return dict(json.loads(proc.stdout))
+
+
+def _until_done(batch: str, total: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        st = _status(batch)
+        if st["sealed"] and st["done"] >= total:
+            return st
+        time.sleep(0.5)
+    raise AssertionError(f"batch {batch} did not finish: {st}")
+
+
+def _runaway(path: Path, n: int) -> Path:
+    """Every answer runs to its max_tokens, as a template that leaves no room for the answer
+    makes a whole batch's do: a summary in 4 tokens."""
+    text = "The river rose two metres overnight; the bridge was closed and the school shut."
+    return _write(path, [{"id": f"r{i}", "type": "summarize", "text": f"{RUN} {i}: {text}",
+                          "max_tokens": 4} for i in range(n)])  # fmt: skip
+
+
+@pytest.mark.engine
+def test_a_canary_that_passes_sends_the_rest_and_each_job_runs_once(
+    worker: WorkerProc, tmp_path: Path
+) -> None:
+    # Given 30 extraction lines whose answers are short and valid
+    src = _write(tmp_path / "good.jsonl", [
+        {"id": f"g{i}", "type": "extract", "text": f"{RUN}: my name is Ana, order {i}.",
+         "json_schema": NAME, "max_tokens": 64} for i in range(30)])  # fmt: skip
+    # When they are submitted behind a 10% canary (at least 10 lines: every third)
+    proc = run_cli("submit", str(src), "--canary", "10%", "--wait", "-q", "--json")
+    # Then the canary passes, the other 20 are sent, and every line has one result
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.decode().splitlines()[-1])
+    assert (summary["enqueued"], summary["completed"]) == (20, 30), summary
+    assert b"canary passed" in proc.stderr and b"and 10 in its canary" in proc.stderr
+    st = _status(summary["batch"])
+    assert st["canary"]["jobs"] == 10 and st["canary"]["reasons"] == [] and not st["paused"]
+    assert st["total"] == 30
+    shown = run_cli("status", summary["batch"]).stdout.decode()
+    assert "canary passed: 10 jobs" in shown, shown
+
+
+@pytest.mark.engine
+def test_a_failing_canary_pauses_the_batch_until_it_is_resumed(
+    worker: WorkerProc, tmp_path: Path
+) -> None:
+    # Given 20 lines whose answers all run to max_tokens
+    src = _runaway(tmp_path / "bad.jsonl", 20)
+    # When they are submitted behind a canary
+    proc = run_cli("submit", str(src), "--canary", "5%", "-q")
+    # Then only the canary ran (10 lines, the minimum), and the batch is paused, saying why
+    assert proc.returncode == RET_PAUSED, proc.stderr
+    batch = proc.stdout.decode().split()[0]
+    assert b"of max_tokens on average, over 90% (VQUEUE_CANARY_MAX_LENGTH)" in proc.stderr
+    st = _status(batch)
+    assert st["paused"] and (st["total"], st["done"], st["sealed"]) == (10, 10, False), st
+    assert st["canary"]["length"] == 1.0
+    shown = run_cli("status", batch).stdout.decode()
+    assert "paused: its canary failed" in shown and f"vqueue resume {batch}" in shown, shown
+    # and waiting on it ends at once instead of waiting for lines that were never sent
+    waited = run_cli("results", batch, "--wait")
+    assert waited.returncode == RET_STALLED and b"is paused" in waited.stderr, waited.stderr
+    # When it is resumed
+    resumed = run_cli("resume", batch, "-q")
+    # Then the rest of the file is sent, with the options it was submitted with, once each
+    assert resumed.returncode == 0, resumed.stderr
+    assert b"10 jobs enqueued" in resumed.stderr, resumed.stderr
+    st = _until_done(batch, 20)
+    assert (st["total"], st["completed"], st["paused"]) == (20, 20, False), st
+    assert run_cli("status", batch).stdout.decode().count("canary failed, then resumed") == 1
+    results = run_cli("results", batch).stdout.decode().splitlines()
+    assert sorted(json.loads(x)["id"] for x in results) == sorted(f"r{i}" for i in range(20))
+    # and a batch that is not paused cannot be resumed
+    again = run_cli("resume", batch)
+    assert again.returncode == RET_USAGE and b"not paused" in again.stderr
+
+
+@pytest.mark.engine
+def test_cancelling_a_paused_batch_ends_it_with_what_ran(
+    worker: WorkerProc, tmp_path: Path
+) -> None:
+    src = _runaway(tmp_path / "bad.jsonl", 30)
+    proc = run_cli("submit", str(src), "--canary", "10%", "-q", "--json")
+    assert proc.returncode == RET_PAUSED, proc.stderr
+    paused = json.loads(proc.stdout)
+    batch = paused["batch"]
+    assert paused["paused"] and paused["canary"]["jobs"] == 10, paused
+    # When it is cancelled, Then it is whole: its canary's 10 results, nothing else sent
+    assert run_cli("cancel", batch).returncode == 0
+    st = _status(batch)
+    assert (st["sealed"], st["paused"], st["total"], st["remaining"]) == (True, False, 10, 0), st
+    assert run_cli("results", batch, "--wait").returncode == 0
+
+
+@pytest.mark.integration
+def test_a_canary_needs_a_file_and_a_share(tmp_path: Path) -> None:
+    src = _runaway(tmp_path / "bad.jsonl", 3)
+    for share in ("0%", "150%", "half"):
+        proc = run_cli("submit", str(src), "--canary", share)
+        assert proc.returncode == RET_USAGE and b"--canary" in proc.stderr, (share, proc.stderr)
+    piped = run_cli("submit", "-", "--canary", "2%", input=src.read_bytes())
+    assert piped.returncode == RET_USAGE and b"needs a file" in piped.stderr
+    gone = run_cli("resume", "no-such-batch")
+    assert gone.returncode == RET_NOT_FOUND, gone.stderr
+
+
+# ------------------------------------------------------------------------------- the judge
+
+
+def _env(ident: str, text: str, **extra: Any) -> Envelope:
+    job = SummarizeJob(type="summarize", id=ident, text=text, max_tokens=100, **extra)
+    return Envelope(job=job, batch="b", enqueued_at=0.0)
+
+
+def _res(ident: str, text: str, tokens: int, status: str = "completed", **extra: Any) -> JobResult:
+    return JobResult(id=ident, batch="b", type="summarize", status=status, text=text,
+                     usage=Usage(completion_tokens=tokens), timings=Timings(enqueued_at=0.0),
+                     **extra)  # fmt: skip
+
+
+@pytest.mark.unit
+def test_the_canary_spreads_over_the_input(tmp_path: Path) -> None:
+    assert spacing(1000, 0.02, 10) == 50  # 20 lines, one in 50
+    assert spacing(30, 0.02, 10) == 3  # the minimum of 10
+    assert spacing(5, 0.02, 10) == 1  # fewer lines than that: all of them
+    src = tmp_path / "in.jsonl"
+    src.write_text("x\n\n" * 100)  # 100 lines and blank ones between them
+    parsed = [Parsed(line=n) for n in range(100)]
+    picked = [p.line for p in pick(parsed, 0.1, 5, str(src))]
+    assert picked == list(range(5, 100, 10))  # from the whole input, not its head
+
+
+@pytest.mark.unit
+def test_the_script_of_an_answer_is_told_from_its_letters() -> None:
+    assert script("The committee met twice and agreed on nothing at all.") == "LATIN"
+    assert script("委员会开会两次，但在任何事情上都没有达成一致意见，这让大家很失望。") == "CJK"
+    assert script("Комитет собирался дважды и ни о чём не договорился вообще.") == "CYRILLIC"
+    assert script("OK, 42.") is None  # too few letters to tell
+    assert script("The committee met twice 委员会开会两次，但在任何事情上都没有") is None  # mixed
+
+
+@pytest.mark.unit
+def test_the_judge_names_each_threshold_crossed() -> None:
+    s = Settings(_env_file=None)  # type: ignore[call-arg]
+    chinese = "委员会开会两次，但在任何事情上都没有达成一致意见，这让大家很失望。"
+    english = "The committee met twice and agreed on nothing at all, to everyone's regret."
+    jobs = [_env(f"j{i}", chinese) for i in range(10)]
+    # answers short, in the input's language, all completed: it passes
+    good = [_res(f"j{i}", chinese, tokens=20) for i in range(10)]
+    report = judge(jobs, good, s)
+    assert report.passed and report.jobs == 10 and report.length == pytest.approx(0.2), report
+    # answered in English, two loops, one low in confidence, every answer at max_tokens
+    loop = JobError(type="loop", message="repeats")
+    bad = [_res(f"j{i}", english, tokens=100) for i in range(7)]
+    bad += [_res("j7", english, tokens=100, low_confidence=True)]
+    bad += [_res(f"j{i}", english, tokens=100, status="failed", error=loop) for i in (8, 9)]
+    report = judge(jobs, bad, s)
+    shares = (report.failed, report.runaway, report.wrong_language, report.low_confidence)
+    assert shares == pytest.approx((0.2, 0.2, 1.0, 0.1)) and report.length == 1.0, report
+    words = " ".join(report.reasons)
+    for env_var in ("FAILED", "RUNAWAY", "WRONG_LANGUAGE", "LENGTH"):
+        assert f"VQUEUE_CANARY_MAX_{env_var}" in words, words
+    assert "LOW_CONFIDENCE" not in words  # 10% is within its 20%
+    # answers that run to max_tokens because their jobs asked for it do not count
+    long = [_env(f"j{i}", chinese, min_tokens=100) for i in range(5)]
+    long += [_env(f"j{i}", chinese, ignore_eos=True) for i in range(5, 10)]
+    asked = judge(long, [_res(f"j{i}", chinese, tokens=100) for i in range(10)], s)
+    assert asked.passed and asked.length == 0.0, asked
+    # and each threshold is the user's to set
+    lenient = Settings(_env_file=None, canary_max_failed=0.5, canary_max_runaway=0.5,  # type: ignore[call-arg]
+                       canary_max_wrong_language=1, canary_max_length=1)  # fmt: skip
+    assert judge(jobs, bad, lenient).passed
