@@ -7,8 +7,8 @@ One worker. Two seeded bad batches, each run twice through the real ``vqueue sub
 without a canary, then as a new batch behind ``--canary 2%``, which pauses it (exit 12).
 Reported for each: wall time and generated tokens of both runs, and what the canary saved.
 
-- ``long answers``: summaries under a system prompt that asks for an essay, ``max_tokens``
-  128: what a template that leaves the answer no end does;
+- ``long answers``: summaries under a system prompt that asks for an essay (``max_tokens``
+  ``--out-tokens``): what a template that leaves the answer no end does;
 - ``unfinishable schema``: extraction into a schema that wants more items than
   ``max_tokens`` can hold: every answer ends ``schema_incomplete``.
 
@@ -16,8 +16,9 @@ Then good batches behind the same canary, none of which may pause: the suite's m
 workloads (benchmarks/workloads.py) and the quality set's extraction, summary and codegen cases
 (benchmarks/quality.py). The script exits 1 when a bad batch passes or a good one pauses.
 
-On a CPU host use the embedded model and a few hundred jobs (``--model
-smollm2-135m-instruct --jobs 200``). Writes canary.json and canary.md under ``--out``.
+On a CPU host use the embedded model and fewer, shorter jobs (``--model
+smollm2-135m-instruct --jobs 60 --text-tokens 100 --out-tokens 48``). Writes canary.json and
+canary.md under ``--out``.
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ TOO_MANY = {"type": "object", "required": ["names"], "properties": {"names": {
     "type": "array", "minItems": 64, "items": {"type": "string", "minLength": 4}}}}  # fmt: skip
 
 
-def bad_batches(texts: wl.TextMaker, n: int) -> dict[str, list[dict[str, Any]]]:
+def bad_batches(texts: wl.TextMaker, n: int, size: int, out: int) -> dict[str, list[Any]]:
     return {
-        "long answers": [{"id": f"l{i}", "type": "summarize", "text": texts.tokens(300),
-                          "system": ESSAY, "max_tokens": 128} for i in range(n)],
-        "unfinishable schema": [{"id": f"u{i}", "type": "extract", "text": texts.tokens(300),
-                                 "json_schema": TOO_MANY, "max_tokens": 64} for i in range(n)],
+        "long answers": [{"id": f"l{i}", "type": "summarize", "text": texts.tokens(size),
+                          "system": ESSAY, "max_tokens": out} for i in range(n)],
+        "unfinishable schema": [{"id": f"u{i}", "type": "extract", "text": texts.tokens(size),
+                                 "json_schema": TOO_MANY, "max_tokens": out} for i in range(n)],
     }  # fmt: skip
 
 
@@ -78,7 +79,7 @@ class Cli:
              *args], env=self.env, capture_output=True, timeout=7200,
         )  # fmt: skip
         wall = time.perf_counter() - t0
-        lines = proc.stdout.decode().split()
+        lines = proc.stdout.decode().splitlines()
         batch = json.loads(lines[-1])["batch"] if lines else None
         st = self.client.store.status(batch) if batch else None
         results = list(self.client.store.iter_all(batch)) if batch else []
@@ -95,7 +96,24 @@ class Cli:
         }
         if proc.returncode not in (0, 12):
             row["stderr"] = proc.stderr.decode()[-2000:]
+        if batch and row["paused"]:
+            row["batch_id"] = batch
         return row
+
+    def whole(self, row: dict[str, Any], jobs: list[dict[str, Any]]) -> dict[str, Any]:
+        """A paused batch resumed and run to its end: the shares of the whole batch, which
+        say whether the canary judged it right."""
+        from producer.canary import judge
+        from schemas import Envelope
+
+        batch = row["batch_id"]
+        subprocess.run([sys.executable, "-m", "producer.cli", "resume", batch, "-q"],
+                       env=self.env, capture_output=True, timeout=600, check=True)  # fmt: skip
+        self.client.batch(batch).wait(timeout=7200)
+        envs = [Envelope.model_validate({"job": j, "batch": batch, "enqueued_at": 0.0})
+                for j in jobs]  # fmt: skip
+        report = judge(envs, self.client.store.iter_all(batch), self.client.settings)
+        return report.model_dump()
 
 
 def main() -> None:
@@ -104,6 +122,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--jobs", type=int, default=2000, help="lines per generated batch")
     ap.add_argument("--canary", default="2%")
+    ap.add_argument("--text-tokens", type=int, default=300, help="bad batches' input length")
+    ap.add_argument("--out-tokens", type=int, default=128, help="bad batches' max_tokens")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     a = ap.parse_args()
@@ -117,7 +137,7 @@ def main() -> None:
     cli = Cli(w, a.redis, out)
     bad, good, problems = [], [], []
     try:
-        for name, jobs in bad_batches(texts, a.jobs).items():
+        for name, jobs in bad_batches(texts, a.jobs, a.text_tokens, a.out_tokens).items():
             whole = cli.run(name, jobs)
             gated = cli.run(name, jobs, "--canary", a.canary)
             tokens = "generated_tokens"
@@ -133,6 +153,8 @@ def main() -> None:
             good.append(row)
             if row["paused"] or row["exit"] != 0:
                 problems.append(f"{name}: paused or failed (exit {row['exit']})")
+            if row["paused"]:
+                row["whole_batch"] = cli.whole(row, jobs)
     finally:
         stop(w.proc, w.log, 60)
 
@@ -157,10 +179,10 @@ def main() -> None:
           f"{'; '.join((b['canary']['canary'] or {}).get('reasons', [])) or 'passed'} |"
           for b in bad),
         "",
-        "| good batch | lines | exit | paused | wall s | canary |",
-        "|---|---|---|---|---|---|",
+        "| good batch | lines | exit | paused | wall s | canary | the whole batch, if paused |",
+        "|---|---|---|---|---|---|---|",
         *(f"| {g['batch']} | {g['lines']} | {g['exit']} | {g['paused']} | {g['wall_s']:.1f} | "
-          f"{_summary(g['canary'])} |" for g in good),
+          f"{_summary(g['canary'])} | {_summary(g.get('whole_batch'))} |" for g in good),
         "",
         f"{len(problems)} problem(s)" + "".join(f"\n- {p}" for p in problems),
     ]  # fmt: skip

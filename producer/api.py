@@ -109,6 +109,17 @@ def uses_cache(b: BatchObject) -> bool:
     return value not in ("false", "off", "no", "0")
 
 
+def canary_share(metadata: dict[str, str] | None) -> float | None:
+    """The share of its input a batch runs first as a canary (``metadata`` ``"canary":
+    "2%"``, producer/canary.py), or None; ``ValueError`` for a value that is not a share."""
+    value = (metadata or {}).get("canary", "").strip()
+    if not value:
+        return None
+    from .canary import parse_share
+
+    return parse_share(value)
+
+
 def _safe_name(filename: str) -> str:
     """An upload's name as it is echoed back (the file object, ``Content-Disposition``): its
     last path part, printable characters only, bounded."""
@@ -532,9 +543,17 @@ class Batches:
         with open(self.store.path(b.input_file_id), "rb") as fh:
             self._check_and_send(tenant, b, fh, gone)
 
+    def _canary_waits(self, b: BatchObject) -> bool:
+        """The batch's canary waits for its answers, which it reads from Redis: none leaves
+        for the output file until they are judged."""
+        return canary_share(b.metadata) is not None and not self.store.batches.canary_judged(b.id)
+
     def _unfed(self, b: BatchObject) -> bool:
-        """In progress, but its input not all submitted (the batch store has not sealed it)."""
-        return b.status == "in_progress" and not self.store.batches.is_sealed(b.id)
+        """In progress, but its input not all submitted (the batch store has not sealed it),
+        and not paused by its canary."""
+        if b.status != "in_progress" or self.store.batches.is_sealed(b.id):
+            return False
+        return not self.store.batches.is_paused(b.id)
 
     def _check_and_send(self, tenant: str, b: BatchObject, fh: Any, gone: threading.Event) -> None:
         from .client import Client
@@ -543,7 +562,8 @@ class Batches:
         client = Client(s, tenant=tenant, on_limit="wait")
         want = ENDPOINT_FORMAT[b.endpoint]
         if b.status == "in_progress":  # a feed resumed: its input was checked and counted
-            self._send(client, b, fh, gone, self.store.batches.fed_position(bid))
+            if self._canary(client, b, fh, gone):
+                self._send(client, b, fh, gone, self.store.batches.fed_position(bid))
             return
         ceiling, budget = s.priority_ceiling(tenant), s.token_budget(tenant)
         errors: list[BatchError] = []
@@ -592,7 +612,44 @@ class Batches:
             self._update(tenant, bid, status="cancelled", cancelled_at=int(time.time()),
                          request_counts=RequestCounts(total=total))  # fmt: skip
             return
-        self._send(client, b, fh, gone, 0)
+        if self._canary(client, b, fh, gone, total):
+            self._send(client, b, fh, gone, 0)
+
+    def _canary(
+        self, client: Any, b: BatchObject, fh: Any, gone: threading.Event, lines: int = 0
+    ) -> bool:
+        """Run the batch's canary, if its metadata asks for one and it has not run: whether
+        the rest may be sent. One that fails pauses the batch (``BatchStore.canary_ended``)
+        until ``vqueue resume`` or a cancel; a feed resumed after its process died runs the
+        canary it did not finish, its jobs sent already skipped."""
+        from .canary import pick, run
+
+        share = canary_share(b.metadata)
+        st = self.store.batches.status(b.id)
+        if share is None or st is None:
+            return True
+        if st.canary is not None:  # judged before: a passed canary, or a resumed batch
+            return not st.paused
+        lines = lines or sum(1 for _ in self._lines(fh))
+        picked = pick(self._lines(fh), share, self.settings.canary_min_jobs, lines)
+        jobs = [self._envelope(client, b, p) for p in picked]
+
+        def tick(_st: BatchStatus) -> None:
+            if gone.is_set():
+                raise Gone(b.id)
+
+        _sent, report = run(client, b.id, jobs, tick)  # read before any leaves (_canary_waits)
+        self.store.batches.canary_ended(b.id, report)
+        if not report.passed:
+            log.warning("batch %s paused: its canary failed: %s", b.id, "; ".join(report.reasons))
+        return report.passed
+
+    @staticmethod
+    def _envelope(client: Any, b: BatchObject, p: Any) -> Envelope:
+        return Envelope(
+            job=p.job, batch=b.id, format=p.format, model=p.model, enqueued_at=time.time(),
+            tenant=client.settings.tenant, cache=uses_cache(b),
+        )  # fmt: skip
 
     def _send(self, client: Any, b: BatchObject, fh: Any, gone: threading.Event, skip: int) -> None:
         """Submit the input's jobs after the first ``skip``, recording the position as it goes
@@ -606,11 +663,7 @@ class Batches:
                 if gone.is_set():
                     raise Gone(bid)
                 if i >= skip:
-                    yield Envelope(
-                        job=p.job, batch=bid, format=p.format, model=p.model,
-                        enqueued_at=time.time(), tenant=client.settings.tenant,
-                        cache=uses_cache(b),
-                    )  # fmt: skip
+                    yield self._envelope(client, b, p)
 
         try:
             client.submit_many(envelopes(), batch=bid, source=b.input_file_id, position=skip)
@@ -638,6 +691,8 @@ class Batches:
             return b
         # first the jobs (a batch still validating has none yet: submit sees the status)
         self.store.batches.withdraw(bid, "cancelled")
+        if self.store.batches.unpause(bid) is not None:  # its canary failed: the rest never goes
+            self.store.batches.seal(bid, fed_all=True)
         return self._update(
             tenant, bid, ("cancelling", *FINAL_STATES), status="cancelling",
             cancelling_at=int(time.time()),
@@ -651,7 +706,8 @@ class Batches:
         tenant, b = found
         if b.status in FINAL_STATES:
             return b
-        if b.status in ("in_progress", "cancelling"):  # results leave Redis as they arrive
+        if b.status in ("in_progress", "cancelling") and not self._canary_waits(b):
+            # results leave Redis as they arrive
             with self.store.lock(bid) as mine:
                 if mine:
                     self._drain(b, budget_s=DRAIN_BUDGET_S)
@@ -834,7 +890,8 @@ def _progress(b: BatchObject, st: BatchStatus) -> dict[str, Any]:
         total_tokens=st.prompt_tokens + st.completion_tokens,
     )
     counts = RequestCounts(total=b.request_counts.total, completed=st.completed, failed=st.failed)
-    return {"request_counts": counts, "usage": usage, "model": st.model}
+    return {"request_counts": counts, "usage": usage, "model": st.model, "paused": st.paused,
+            "canary": st.canary}  # fmt: skip
 
 
 def vqueue_line(r: JobResult) -> dict[str, Any]:
@@ -1044,6 +1101,10 @@ def create_app(settings: Settings | None = None) -> Any:
                 "type": "invalid_request_error", "param": "input_file_id",
                 "code": "too_many_requests",
             })  # fmt: skip
+        try:
+            canary_share(req.metadata)
+        except ValueError as exc:
+            raise fail(400, f"metadata canary: {exc}") from None
         open_batches = (await run_in_threadpool(store.usage, who))[2]
         if open_batches >= s.api_max_open_batches:
             raise fail(429, f"this tenant has {open_batches} batches not ended, its quota",

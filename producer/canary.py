@@ -7,17 +7,24 @@ finds that out on a few jobs instead of a million. Its jobs are the batch's own 
 its answers are kept and the full feed skips them (an id with a result is not sent again).
 What it checks, each against a ``VQUEUE_CANARY_*`` threshold (``schemas.settings``): the
 share failed, ran away (``loop``, ``schema_incomplete``), in another script than the input,
-low in confidence, and the answers' mean length over their ``max_tokens``.
+low in confidence (each share taken at the low end of its 95% interval: a canary is a small
+sample), and the answers' mean length over their ``max_tokens``.
 """
 
 from __future__ import annotations
 
+import math
+import time
 import unicodedata
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
-from schemas import CanaryReport, Envelope, JobResult, Settings
+from schemas import BatchStatus, CanaryReport, Envelope, JobResult, Settings
 
 from .inputs import Parsed, read_lines
+
+if TYPE_CHECKING:
+    from .client import Client
 
 # answers and inputs with fewer letters than this are not judged for their language, nor those
 # whose main script holds less than this share of their letters (a mixed text has no one language)
@@ -42,16 +49,45 @@ def spacing(lines: int, share: float, min_jobs: int) -> int:
     return max(lines // max(want, 1), 1)
 
 
-def pick(parsed: Iterable[Parsed], share: float, min_jobs: int, path: str) -> Iterator[Parsed]:
-    """The canary's lines of ``parsed`` (the input at ``path``, parsed): every n-th non-blank
-    line, counted first, so that about ``share`` of them, at least ``min_jobs``, spread over
-    all of it."""
+def count_lines(path: str) -> int:
+    """Non-blank lines of the input at ``path`` (a canary is spread over all of them)."""
     with open(path, "rb") as fh:
-        lines = sum(1 for raw in read_lines(fh) if raw.strip())
+        return sum(1 for raw in read_lines(fh) if raw.strip())
+
+
+def pick(parsed: Iterable[Parsed], share: float, min_jobs: int, lines: int) -> Iterator[Parsed]:
+    """The canary's lines of ``parsed`` (an input of ``lines`` non-blank lines): every n-th,
+    so that about ``share`` of them, at least ``min_jobs``, spread over all of it."""
     every = spacing(lines, share, min_jobs)
     for i, p in enumerate(parsed):
         if i % every == every // 2:
             yield p
+
+
+def run(
+    client: Client,
+    batch: str,
+    jobs: list[Envelope],
+    tick: Callable[[BatchStatus], None] | None = None,
+    poll_s: float = 0.5,
+) -> tuple[int, CanaryReport]:
+    """Send the canary's ``jobs`` into the open ``batch``, wait until the batch's jobs all have
+    answers, and judge them: how many were sent, and the report. ``tick`` sees the batch's
+    status after each look and may raise to stop waiting (a deadline, the batch gone)."""
+    from .client import BatchNotFound
+
+    handle = client.submit_many(jobs, batch=batch, seal=False)
+    while True:
+        st = client.store.status(batch)
+        if st is None:
+            raise BatchNotFound(f"batch {batch} is gone")
+        if tick is not None:
+            tick(st)
+        if st.done >= st.total:
+            break
+        time.sleep(poll_s)
+    sent = len(jobs) - handle.skipped
+    return sent, judge(jobs, client.store.iter_all(batch), client.settings)
 
 
 def script(text: str) -> str | None:
@@ -104,6 +140,18 @@ def _strings(value: object) -> Iterable[str]:
             yield from _strings(v)
 
 
+def lower_bound(k: int, n: int, z: float = 1.96) -> float:
+    """The lower end of the Wilson score interval of ``k`` in ``n`` (95%): the share a sample
+    shows at the least. A canary is judged on it, so that one unlucky job in ten (10%, at
+    least 2%) does not pause a batch, while two loops in ten (at least 6%) do."""
+    if n == 0:
+        return 0.0
+    p, q = k / n, z * z / n
+    centre = p + q / 2
+    margin = z * math.sqrt(p * (1 - p) / n + q / (4 * n))
+    return max((centre - margin) / (1 + q), 0.0)
+
+
 def _asked_long(env: Envelope, cap: int, share: float) -> bool:
     """The job asked for its length (``ignore_eos``, or ``min_tokens`` near ``max_tokens``):
     answers that run to ``max_tokens`` then are what it wanted."""
@@ -133,7 +181,10 @@ def judge(jobs: Sequence[Envelope], results: Iterable[JobResult], s: Settings) -
             if asked and said:
                 judged += 1
                 wrong += asked != said
-    share = (lambda k: k / n) if n else (lambda k: 0.0)
+
+    def share(k: int) -> float:
+        return k / n if n else 0.0
+
     report = CanaryReport(
         jobs=n,
         failed=share(failed),
@@ -143,17 +194,20 @@ def judge(jobs: Sequence[Envelope], results: Iterable[JobResult], s: Settings) -
         length=length / free if free else 0.0,
     )
     checks = (
-        ("failed", report.failed, s.canary_max_failed, "failed"),
-        ("ran away (loop, schema_incomplete)", report.runaway, s.canary_max_runaway, "runaway"),
-        ("answered in another language", report.wrong_language, s.canary_max_wrong_language,
+        ("failed", failed, n, s.canary_max_failed, "failed"),
+        ("ran away (loop, schema_incomplete)", runaway, n, s.canary_max_runaway, "runaway"),
+        ("answered in another language", wrong, judged, s.canary_max_wrong_language,
          "wrong_language"),
-        ("had low confidence", report.low_confidence, s.canary_max_low_confidence,
-         "low_confidence"),
+        ("had low confidence", low, n, s.canary_max_low_confidence, "low_confidence"),
     )  # fmt: skip
-    for what, value, limit, name in checks:
-        if value > limit:
+    for what, k, of, limit, name in checks:
+        least = lower_bound(k, of)
+        if least > limit:
             env_var = f"VQUEUE_CANARY_MAX_{name.upper()}"
-            report.reasons.append(f"{value:.0%} {what}, over {limit:.0%} ({env_var})")
+            report.reasons.append(
+                f"{k} of {of} {what}, at least {least:.0%} at 95% confidence, over {limit:.0%} "
+                f"({env_var})"
+            )
     if report.length > s.canary_max_length:
         report.reasons.append(
             f"answers ran to {report.length:.0%} of max_tokens on average, over "

@@ -304,12 +304,13 @@ def submit(
             def quietly(_line: int, _ident: str | None, _error: str) -> None:
                 """The feed reports bad lines; the canary's pass over the input skips them."""
 
-            from .canary import pick
+            from .canary import count_lines, pick
 
             def picked() -> Iterator[Envelope]:
+                lines = count_lines(file)
                 with open(file, "rb") as again:
                     parsed = parse_lines(read_lines(again), priority, system)
-                    for p in pick(parsed, share, client.settings.canary_min_jobs, file):
+                    for p in pick(parsed, share, client.settings.canary_min_jobs, lines):
                         env = envelope(p, quietly)
                         if env is not None:
                             yield env
@@ -452,43 +453,36 @@ def submit(
 def _canary(
     client: Any, batch: str, jobs: list[Envelope], quiet: bool, timeout: float | None
 ) -> tuple[int, CanaryReport]:
-    """Send the canary's jobs into the open batch and wait for their answers; how many ran,
-    and the report on them."""
-    from .canary import judge
-    from .client import BatchNotFound, Stalled, WaitTimeout
+    """Run the canary (``producer.canary.run``) with a bar; exits as waiting does when it
+    cannot end."""
+    from .canary import run
+    from .client import BatchNotFound, WaitTimeout
 
-    handle = client.submit_many(jobs, batch=batch, seal=False)
-    sent = len(jobs) - handle.skipped
-    _say(f"batch {batch}: canary of {sent} jobs sent; the rest waits for its answers")
-    bar = _bar(quiet, total=sent, unit="job", desc="canary")
+    _say(f"batch {batch}: canary of {len(jobs)} jobs; the rest waits for their answers")
+    bar = _bar(quiet, total=len(jobs), unit="job", desc="canary")
     deadline = None if timeout is None else time.monotonic() + timeout
     told = False
+
+    def tick(st: BatchStatus) -> None:
+        nonlocal told
+        bar.update(st.done - bar.n)
+        if deadline is not None and time.monotonic() > deadline and st.done < st.total:
+            raise WaitTimeout(f"batch {batch}: its canary has {st.remaining} jobs running")
+        if not told and not client.store.consumed(client.settings.queue):
+            told = True
+            _warn_if_nobody_consumes(client)
+
     try:
-        while True:
-            st = client.store.status(batch)
-            if st is None:
-                raise BatchNotFound(f"batch {batch} is gone")
-            bar.update(st.done - bar.n)
-            if st.done >= st.total:
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                raise WaitTimeout(f"batch {batch}: its canary has {st.remaining} jobs running")
-            if not told and not client.store.consumed(client.settings.queue):
-                told = True
-                _warn_if_nobody_consumes(client)
-            time.sleep(0.5)
+        return run(client, batch, jobs, tick)
     except WaitTimeout as exc:
-        bar.close()
         fail(f"{exc}; the rest of the input was not sent", RET_TIMEOUT)
-    except (Stalled, BatchNotFound) as exc:
-        bar.close()
-        fail(str(exc), RET_STALLED)
+    except BatchNotFound as exc:
+        fail(str(exc), RET_NOT_FOUND)
     except KeyboardInterrupt:
-        bar.close()
         _say(f"batch {batch}: the canary runs on; nothing else of the input was sent")
         sys.exit(RET_INTERRUPTED)
-    bar.close()
-    return sent, judge(jobs, client.store.iter_all(batch), client.settings)
+    finally:
+        bar.close()
 
 
 def _canary_words(batch: str, report: CanaryReport) -> str:
@@ -1123,6 +1117,10 @@ def resume(ctx: click.Context, batch: str, as_json: bool, quiet: bool) -> None:
     if not st.paused:
         fail(f"batch {batch} is not paused", RET_USAGE)
     source = client.store.feed_state(batch)[2]
+    if source and not os.path.isabs(source):  # an uploaded file's id: `vqueue serve` feeds it
+        client.store.unpause(batch)
+        _say(f"batch {batch}: resumed; the API server that fed it sends the rest of {source}")
+        return
     if not source or not os.path.isfile(source):
         fail(
             f"batch {batch} was submitted from {source or 'stdin'}, which is not here to read; "

@@ -409,6 +409,12 @@ class BatchStore:
             mapping.update(paused=1, feed_options=json.dumps(feed or {}))
         self.r.hset(self.key(batch), mapping=mapping)
 
+    def canary_judged(self, batch: str) -> bool:
+        return bool(self.r.hexists(self.key(batch), "canary"))
+
+    def is_paused(self, batch: str) -> bool:
+        return self.r.hget(self.key(batch), "paused") == "1"
+
     def unpause(self, batch: str) -> dict[str, Any] | None:
         """End the batch's pause; the submit options its feed was made with, or None when it
         was not paused."""

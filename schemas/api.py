@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from .jobs import Format
+from .results import CanaryReport
 
 # What a batch's input file holds: OpenAI chat, completions or responses requests, or vqueue's
 # own job lines (every type, extraction schemas and templates included); a batch takes lines of
@@ -185,6 +186,10 @@ class BatchObject(BaseModel):
     usage: BatchUsage | None = None
     metadata: dict[str, str] | None = None
     output_expires_after: ExpiresAfter | None = None
+    # vqueue's: the canary's report (metadata "canary"); paused: it failed, and the rest of the
+    # input waits for `vqueue resume` or a cancel
+    canary: CanaryReport | None = None
+    paused: bool = False
 
 
 class BatchList(BaseModel):

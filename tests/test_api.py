@@ -296,3 +296,48 @@ def test_cancel_aborts_the_jobs_already_generating(client: Any, worker: WorkerPr
     for r in results:
         assert r.status == "failed" and r.error and r.error.type == "cancelled", r
         assert "aborted in the engine" in r.error.message
+
+
+def test_an_http_batch_whose_canary_fails_pauses_then_resumes_or_cancels(
+    api: Api, tmp_path: Path
+) -> None:
+    sdk = api.sdk()
+    text = "The river rose two metres overnight; the bridge was closed and the school shut."
+    lines = [{"id": f"h{i}", "type": "summarize", "text": f"canary {i}: {text}", "max_tokens": 4}
+             for i in range(20)]  # fmt: skip
+    # a canary that is not a share is refused at once
+    f = _upload(sdk, tmp_path, lines)
+    with pytest.raises(openai.BadRequestError, match="canary"):
+        sdk.batches.create(input_file_id=f.id, endpoint="/v1/vqueue/jobs",
+                           completion_window="24h", metadata={"canary": "most"})  # fmt: skip
+    # Given two batches of answers that all run to max_tokens, behind a canary
+    made = [sdk.batches.create(input_file_id=f.id, endpoint="/v1/vqueue/jobs",
+                               completion_window="24h", metadata={"canary": "5%"})
+            for _ in range(2)]  # fmt: skip
+    # Then each pauses after its canary: 10 jobs run, the batch in progress, saying why
+    for b in made:
+        paused = wait_for(
+            lambda b=b: (
+                (r := sdk.batches.retrieve(b.id)).model_extra and r.model_extra.get("paused") and r
+            ),
+            300,
+            "the canary to pause it",
+        )
+        extra = paused.model_extra
+        assert paused.status == "in_progress" and extra["canary"]["jobs"] == 10, paused
+        assert "VQUEUE_CANARY_MAX_LENGTH" in " ".join(extra["canary"]["reasons"])
+        time.sleep(1.0)  # the server's sweep runs meanwhile; a paused batch is not fed
+        assert sdk.batches.retrieve(b.id).request_counts.completed == 10
+    # When the first is resumed, Then the server sends the rest, each line once
+    resumed = run_cli("resume", made[0].id)
+    assert resumed.returncode == 0 and b"the API server" in resumed.stderr, resumed.stderr
+    done = _until(sdk, made[0].id, ("completed",), 300)
+    assert (done.request_counts.completed, done.request_counts.total) == (20, 20), done
+    ids = sorted(x["custom_id"] for x in _lines(sdk, done.output_file_id))
+    assert ids == sorted(f"h{i}" for i in range(20))
+    # and when the second is cancelled, Then it ends with the canary's answers
+    sdk.batches.cancel(made[1].id)
+    ended = _until(sdk, made[1].id, ("cancelled",), 300)
+    assert (
+        ended.request_counts.completed == 10 and len(list(_lines(sdk, ended.output_file_id))) == 10
+    )

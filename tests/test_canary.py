@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from producer.canary import judge, pick, script, spacing
+from producer.canary import count_lines, judge, lower_bound, pick, script, spacing
 from producer.inputs import Parsed
 from protocol.exits import RET_NOT_FOUND, RET_PAUSED, RET_STALLED, RET_USAGE
 from schemas import Envelope, JobError, JobResult, Settings, Timings, Usage
@@ -159,8 +159,9 @@ def test_the_canary_spreads_over_the_input(tmp_path: Path) -> None:
     assert spacing(5, 0.02, 10) == 1  # fewer lines than that: all of them
     src = tmp_path / "in.jsonl"
     src.write_text("x\n\n" * 100)  # 100 lines and blank ones between them
+    assert count_lines(str(src)) == 100
     parsed = [Parsed(line=n) for n in range(100)]
-    picked = [p.line for p in pick(parsed, 0.1, 5, str(src))]
+    picked = [p.line for p in pick(parsed, 0.1, 5, 100)]
     assert picked == list(range(5, 100, 10))  # from the whole input, not its head
 
 
@@ -183,18 +184,24 @@ def test_the_judge_names_each_threshold_crossed() -> None:
     good = [_res(f"j{i}", chinese, tokens=20) for i in range(10)]
     report = judge(jobs, good, s)
     assert report.passed and report.jobs == 10 and report.length == pytest.approx(0.2), report
-    # answered in English, two loops, one low in confidence, every answer at max_tokens
+    # answered in English, three loops, one low in confidence, every answer at max_tokens
     loop = JobError(type="loop", message="repeats")
-    bad = [_res(f"j{i}", english, tokens=100) for i in range(7)]
-    bad += [_res("j7", english, tokens=100, low_confidence=True)]
-    bad += [_res(f"j{i}", english, tokens=100, status="failed", error=loop) for i in (8, 9)]
+    bad = [_res(f"j{i}", english, tokens=100) for i in range(6)]
+    bad += [_res("j6", english, tokens=100, low_confidence=True)]
+    bad += [_res(f"j{i}", english, tokens=100, status="failed", error=loop) for i in (7, 8, 9)]
     report = judge(jobs, bad, s)
     shares = (report.failed, report.runaway, report.wrong_language, report.low_confidence)
-    assert shares == pytest.approx((0.2, 0.2, 1.0, 0.1)) and report.length == 1.0, report
+    assert shares == pytest.approx((0.3, 0.3, 1.0, 0.1)) and report.length == 1.0, report
     words = " ".join(report.reasons)
     for env_var in ("FAILED", "RUNAWAY", "WRONG_LANGUAGE", "LENGTH"):
         assert f"VQUEUE_CANARY_MAX_{env_var}" in words, words
     assert "LOW_CONFIDENCE" not in words  # 10% is within its 20%
+    assert "3 of 10 failed, at least 11% at 95% confidence" in words, words
+    # one unlucky job in ten is not enough to pause a batch (at least 2%, under 5%)
+    one = [_res(f"j{i}", chinese, tokens=20) for i in range(9)]
+    one += [_res("j9", chinese, tokens=20, status="failed", error=loop)]
+    assert judge(jobs, one, s).passed and lower_bound(1, 10) == pytest.approx(0.018, abs=1e-3)
+    assert lower_bound(2, 10) > 0.05 and lower_bound(0, 10) == 0.0
     # answers that run to max_tokens because their jobs asked for it do not count
     long = [_env(f"j{i}", chinese, min_tokens=100) for i in range(5)]
     long += [_env(f"j{i}", chinese, ignore_eos=True) for i in range(5, 10)]
