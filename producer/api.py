@@ -631,7 +631,7 @@ class Batches:
         if st.canary is not None:  # judged before: a passed canary, or a resumed batch
             return not st.paused
         lines = lines or sum(1 for _ in self._lines(fh))
-        picked = pick(self._lines(fh), share, self.settings.canary_min_jobs, lines)
+        picked = pick(self._lines(fh), share, self.settings.canary_min_jobs, lines, b.id)
         jobs = [self._envelope(client, b, p) for p in picked]
 
         def tick(_st: BatchStatus) -> None:

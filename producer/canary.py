@@ -14,6 +14,7 @@ sample), and the answers' mean length over their ``max_tokens``.
 from __future__ import annotations
 
 import math
+import random
 import time
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -55,12 +56,21 @@ def count_lines(path: str) -> int:
         return sum(1 for raw in read_lines(fh) if raw.strip())
 
 
-def pick(parsed: Iterable[Parsed], share: float, min_jobs: int, lines: int) -> Iterator[Parsed]:
-    """The canary's lines of ``parsed`` (an input of ``lines`` non-blank lines): every n-th,
-    so that about ``share`` of them, at least ``min_jobs``, spread over all of it."""
+def pick(
+    parsed: Iterable[Parsed], share: float, min_jobs: int, lines: int, seed: str
+) -> Iterator[Parsed]:
+    """The canary's lines of ``parsed`` (an input of ``lines`` non-blank lines): one line at
+    random in each run of n, so that about ``share`` of them, at least ``min_jobs``, spread
+    over all of it. A fixed place in each run would see one kind of line of an input whose
+    kinds take turns. ``seed`` (the batch id) picks the same lines again for a canary that
+    resumes."""
     every = spacing(lines, share, min_jobs)
+    rng = random.Random(seed)
+    chosen = 0
     for i, p in enumerate(parsed):
-        if i % every == every // 2:
+        if i % every == 0:
+            chosen = rng.randrange(every)
+        if i % every == chosen:
             yield p
 
 

@@ -310,7 +310,7 @@ def submit(
                 lines = count_lines(file)
                 with open(file, "rb") as again:
                     parsed = parse_lines(read_lines(again), priority, system)
-                    for p in pick(parsed, share, client.settings.canary_min_jobs, lines):
+                    for p in pick(parsed, share, client.settings.canary_min_jobs, lines, batch):
                         env = envelope(p, quietly)
                         if env is not None:
                             yield env

@@ -161,8 +161,11 @@ def test_the_canary_spreads_over_the_input(tmp_path: Path) -> None:
     src.write_text("x\n\n" * 100)  # 100 lines and blank ones between them
     assert count_lines(str(src)) == 100
     parsed = [Parsed(line=n) for n in range(100)]
-    picked = [p.line for p in pick(parsed, 0.1, 5, 100)]
-    assert picked == list(range(5, 100, 10))  # from the whole input, not its head
+    picked = [p.line for p in pick(parsed, 0.1, 5, 100, "batch-1")]
+    assert [n // 10 for n in picked] == list(range(10))  # one in each tenth of the input
+    assert picked == [p.line for p in pick(parsed, 0.1, 5, 100, "batch-1")]  # the same again
+    # of an input whose kinds take turns (summarize, extract, codegen, ...), more than one kind
+    assert len({n % 3 for n in picked}) > 1, picked
 
 
 @pytest.mark.unit
