@@ -163,6 +163,78 @@ LOOPS: list[dict[str, Any]] = [
         "construction starts in spring and local shops worry about parking.",
         "expected": {},
     },
+    # arrays of objects: a cycle is one item or several, 18 to 200 tokens (issue 42)
+    {
+        "id": "order-items-en",
+        "lang": "en",
+        "schema": _obj(
+            customer=STR,
+            items={"type": "array", "items": _obj(product=STR, quantity=STR, price=STR)},
+        ),
+        "text": "Order 4471 from Dana Brooks: two boxes of blue ballpoint pens at 4.50 each, one "
+        "ream of A4 paper at 6.20, three yellow highlighters at 1.10 each, and a stapler at 8.75.",
+        "expected": {"customer": "Dana Brooks"},
+    },  # fmt: skip
+    {
+        "id": "pancakes-en",
+        "lang": "en",
+        "schema": _obj(
+            dish=STR, ingredients={"type": "array", "items": _obj(item=STR, quantity=STR)}
+        ),
+        "text": "Pancakes for four: whisk 2 cups of flour with 2 cups of milk, 2 eggs and a pinch "
+        "of salt; rest the batter, then fry in a little butter.",
+        "expected": {},
+    },
+    {
+        "id": "sessions-en",
+        "lang": "en",
+        "schema": _obj(
+            event=STR,
+            sessions={
+                "type": "array",
+                "items": _obj(day=STR, time=STR, room=STR, speaker=STR, title=STR),
+            },
+        ),
+        "text": "Data Summit programme. Monday 9:00, Hall A: Priya Nair on streaming joins. "
+        "Monday 14:00, Room 3: Marco Rossi on lakehouse costs. Tuesday 10:30, Hall B: Aiko "
+        "Tanaka on vector search in production.",
+        "expected": {},
+    },  # fmt: skip
+    {
+        "id": "contacts-en",
+        "lang": "en",
+        "schema": _obj(
+            company=STR,
+            contacts={"type": "array", "items": _obj(name=STR, role=STR, email=STR, phone=STR)},
+        ),
+        "text": "Northwind Logistics, key contacts: Helen Park, head of procurement, "
+        "helen.park@northwind.example, +1 555 0134; Omar Haddad, finance controller, "
+        "omar.haddad@northwind.example, +1 555 0178; Grace Liu, warehouse manager, "
+        "grace.liu@northwind.example, +1 555 0192; Ben Adler, IT lead, "
+        "ben.adler@northwind.example, +1 555 0110.",
+        "expected": {"company": "Northwind Logistics"},
+    },  # fmt: skip
+    {
+        "id": "itinerary-zh",
+        "lang": "zh",
+        "schema": _obj(
+            traveller=STR, stops={"type": "array", "items": _obj(date=STR, city=STR, hotel=STR)}
+        ),
+        "text": "王芳的出差行程：3月2日到上海，住和平饭店；3月4日到杭州，住西湖国宾馆；"
+        "3月6日到南京，住金陵饭店；3月8日返回北京。",
+        "expected": {},
+    },  # fmt: skip
+    {
+        "id": "grades-en",
+        "lang": "en",
+        "schema": _obj(
+            course=STR, students={"type": "array", "items": _obj(name=STR, grade=STR, comment=STR)}
+        ),
+        "text": "Chemistry 101 final grades: Ava Johnson, A, excellent lab reports; Liam Chen, "
+        "B+, strong exam but late homework; Noah Garcia, B, steady improvement; Mia Patel, A-, "
+        "great participation; Ethan Kim, C+, needs to attend office hours.",
+        "expected": {"course": "Chemistry 101"},
+    },  # fmt: skip
 ]
 
 CODE: list[dict[str, Any]] = [
