@@ -18,14 +18,16 @@ import random
 import time
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from schemas import BatchStatus, CanaryReport, Envelope, JobResult, Settings
 
-from .inputs import Parsed, read_lines
+from .inputs import read_lines
 
 if TYPE_CHECKING:
     from .client import Client
+
+T = TypeVar("T")
 
 # answers and inputs with fewer letters than this are not judged for their language, nor those
 # whose main script holds less than this share of their letters (a mixed text has no one language)
@@ -56,22 +58,20 @@ def count_lines(path: str) -> int:
         return sum(1 for raw in read_lines(fh) if raw.strip())
 
 
-def pick(
-    parsed: Iterable[Parsed], share: float, min_jobs: int, lines: int, seed: str
-) -> Iterator[Parsed]:
-    """The canary's lines of ``parsed`` (an input of ``lines`` non-blank lines): one line at
-    random in each run of n, so that about ``share`` of them, at least ``min_jobs``, spread
-    over all of it. A fixed place in each run would see one kind of line of an input whose
-    kinds take turns. ``seed`` (the batch id) picks the same lines again for a canary that
-    resumes."""
+def pick(items: Iterable[T], share: float, min_jobs: int, lines: int, seed: str) -> Iterator[T]:
+    """The canary's lines of ``items`` (an input's ``lines`` non-blank lines, raw or parsed):
+    one at random in each run of n, so that about ``share`` of them, at least ``min_jobs``,
+    spread over all of it. A fixed place in each run would see one kind of line of an input
+    whose kinds take turns. ``seed`` (the batch id) picks the same lines again for a canary
+    that resumes."""
     every = spacing(lines, share, min_jobs)
     rng = random.Random(seed)
     chosen = 0
-    for i, p in enumerate(parsed):
+    for i, item in enumerate(items):
         if i % every == 0:
             chosen = rng.randrange(every)
         if i % every == chosen:
-            yield p
+            yield item
 
 
 def run(

@@ -203,7 +203,7 @@ def submit(
     this process dies, the same command with --batch ID resumes the feed where it stopped.
     """
     from .client import new_batch_id
-    from .inputs import Parsed, parse_lines, read_lines
+    from .inputs import Parsed, parse_line, parse_lines, read_lines
 
     share = None
     if canary is not None:
@@ -307,11 +307,13 @@ def submit(
             from .canary import count_lines, pick
 
             def picked() -> Iterator[Envelope]:
+                """The canary's lines, parsed alone: the rest are parsed once, by the feed."""
                 lines = count_lines(file)
                 with open(file, "rb") as again:
-                    parsed = parse_lines(read_lines(again), priority, system)
-                    for p in pick(parsed, share, client.settings.canary_min_jobs, lines, batch):
-                        env = envelope(p, quietly)
+                    raws = ((n, raw) for n, raw in enumerate(read_lines(again), 1) if raw.strip())
+                    least = client.settings.canary_min_jobs
+                    for n, raw in pick(raws, share, least, lines, batch):
+                        env = envelope(parse_line(n, raw, priority, system), quietly)
                         if env is not None:
                             yield env
 
