@@ -14,7 +14,7 @@ import pytest
 from producer import AsyncClient, BatchNotFound, Client, WaitTimeout
 from schemas import CodegenJob, ExtractJob, SummarizeJob
 
-from .conftest import WorkerProc, make_settings, run_cli, wait_for
+from .conftest import WorkerProc, make_settings, require, run_cli, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -89,6 +89,8 @@ def _counters(port: int, name: str) -> dict[str, float]:
 def test_codegen_answers_run_against_their_tests_until_one_passes(
     client: Client, worker: WorkerProc
 ) -> None:
+    require("bwrap")  # the worker runs the tests in its sandbox
+    require("prlimit")
     before = _counters(worker.metrics_port, "vqueue_codegen_tested_total")
     # Given a codegen job whose tests a right answer passes, and one whose tests none can
     instruction = "Write a Python function add(a, b) that returns a + b."
