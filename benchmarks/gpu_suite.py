@@ -337,6 +337,7 @@ def vqueue_row(
         submit_s=submit_s,
         retried=sum(1 for x in res if x.usage.wasted_tokens),
         errors=sorted({x.error.type for x in res if x.error}),
+        cached_tokens=sum(x.usage.cached_tokens for x in res),
         **parts,
     )
 
@@ -459,8 +460,8 @@ class RawEngines:
 
         room = self.settings.max_model_len
 
-        async def one(job: Any, ids: list[int], n: int) -> tuple[int, int, Stamps]:
-            tokens, retried = 0, 0
+        async def one(job: Any, ids: list[int], n: int) -> tuple[int, int, Stamps, int]:
+            tokens, retried, cached = 0, 0, 0
             first_first: float | None = None
             previous: float | None = None
             for attempt in (0, 1):
@@ -472,6 +473,7 @@ class RawEngines:
                     final = out
                 assert final is not None
                 tokens += len(final.outputs[0].token_ids)
+                cached = int(getattr(final, "num_cached_tokens", 0) or 0)
                 # the returned attempt's engine stamps, as a vqueue result carries them
                 st = Stamps(
                     sent=sent,
@@ -485,9 +487,9 @@ class RawEngines:
                 if attempt or not (_wants_json(job) and cut and room - len(ids) > n):
                     break
                 n, retried, previous = min(2 * n, room - len(ids)), 1, st.finished
-            return tokens, retried, st._replace(ttft_first=first_first, previous=previous)
+            return tokens, retried, st._replace(ttft_first=first_first, previous=previous), cached
 
-        async def everything() -> list[tuple[int, int, Stamps]]:
+        async def everything() -> list[tuple[int, int, Stamps, int]]:
             return await asyncio.gather(*(one(j, ids, n) for j, _, ids, n in prep))
 
         t, t0 = time.perf_counter(), time.time()
@@ -504,6 +506,7 @@ class RawEngines:
             sum(len(ids) for _, _, ids, _ in prep),
             [x.ttft_first - t0 for x in stamps if x.ttft_first],
             retried=sum(r[1] for r in res),
+            cached_tokens=sum(r[3] for r in res),
             **phases([x._replace(enqueued=t0, started=t0) for x in stamps], t0),
         )
 
@@ -717,6 +720,14 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
                 **med,
                 "ttft_p50_s": _median(r["ttft_p50_s"] for r in rs),
                 "ttft_p99_s": _median(r["ttft_p99_s"] for r in rs),
+                # the share of prompt tokens the engine's prefix cache served; where the two
+                # sides differ on equal prompts, the order jobs reached the engine did it
+                "prefix_hit": _median(
+                    r["cached_tokens"] / r["prompt_tokens"]
+                    for r in rs
+                    if r.get("cached_tokens") is not None and r["prompt_tokens"]
+                ),
+                "power_w": _median(r.get("power_w_mean") for r in rs),
             }
             if s == "vqueue" and any("ratio_vs_raw" in r for r in rs):
                 summary["ratio_vs_raw"] = statistics.median(
@@ -768,8 +779,8 @@ def table(summary: list[dict[str, Any]]) -> str:
 
     lines = [
         "| workload | system | jobs | rounds | jobs/s | output tok/s | generated tokens | "
-        "TTFT p50 s | vs best raw (median, min) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "TTFT p50 s | prefix-cache hits | GPU power W | vs best raw (median, min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         ratio = "-"
@@ -778,7 +789,8 @@ def table(summary: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {s['workload']} | {s['system']} | {s['jobs']} | {s['rounds']} | "
             f"{f(s['jobs_per_s'], '.1f')} | {f(s['out_tok_per_s'], ',.0f')} | "
-            f"{s['generated_tokens']:,.0f} | {f(s['ttft_p50_s'])} | {ratio} |"
+            f"{s['generated_tokens']:,.0f} | {f(s['ttft_p50_s'])} | "
+            f"{f(s.get('prefix_hit'), '.1%')} | {f(s.get('power_w'), '.0f')} | {ratio} |"
         )
     return "\n".join(lines)
 
