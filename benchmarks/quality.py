@@ -163,7 +163,7 @@ LOOPS: list[dict[str, Any]] = [
         "construction starts in spring and local shops worry about parking.",
         "expected": {},
     },
-    # arrays of objects: a cycle is one item or several, 18 to 200 tokens (issue 42)
+    # arrays of objects, whose cycles are one item or several (about 18 to 60 tokens here)
     {
         "id": "order-items-en",
         "lang": "en",
