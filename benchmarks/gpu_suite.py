@@ -15,6 +15,8 @@ rounds; the order of the systems rotates from round to round):
                 before the clock starts.
   vqueue        one ``vqueue worker`` process; the Python producer submits every job and reads
                 every result (the clock runs from the first submit to the last result read).
+  vqueue no-monitor  (only when named in ``--systems``) the same worker and jobs, each with
+                ``early_stop: false``: the confidence monitor's own share of a row.
 
 Equal work: the same prompts and sampling; output lengths fixed with ``ignore_eos``/``min_tokens``
 (a random-weights model rarely stops). Guided JSON cannot be forced past its end, and vqueue runs
@@ -60,8 +62,11 @@ from . import workloads as wl
 
 ROOT = Path(__file__).resolve().parent.parent
 _jobs: TypeAdapter[Any] = TypeAdapter(Job)
-SYSTEMS = ("raw LLM.chat", "raw AsyncLLM", "vqueue")
+SYSTEMS = ("raw LLM.chat", "raw AsyncLLM", "vqueue", "vqueue no-monitor")
 RAW = SYSTEMS[:2]
+# the same worker and jobs with the confidence monitor off (each job's ``early_stop: false``):
+# what the monitor itself costs a row, told apart from the queue path in the same rounds
+QUEUED = SYSTEMS[2:]
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -594,8 +599,12 @@ class Vqueue:
         self.proc, self.log, self.start_s, self.client = w.proc, w.log, w.start_s, w.client
         self.a = a
 
-    def run(self, name: str, jobs: list[dict[str, Any]], rnd: int) -> dict[str, Any]:
-        return vqueue_row(self.client, name, jobs, rnd, self.a.timeout)
+    def run(
+        self, name: str, jobs: list[dict[str, Any]], rnd: int, system: str = "vqueue"
+    ) -> dict[str, Any]:
+        if system == "vqueue no-monitor":
+            jobs = [{**j, "early_stop": False} for j in jobs]
+        return vqueue_row(self.client, name, jobs, rnd, self.a.timeout, system)
 
     def options_check(self) -> dict[str, Any]:
         """The chat options whose answer reads more of vLLM's output than text and token ids
@@ -680,7 +689,7 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
     round (median), and the equal-work check. Returns the summary rows and the failed checks."""
     problems: list[str] = []
     for r in rows:
-        if r["system"] != "vqueue":
+        if r["system"] not in QUEUED:
             continue
         raws = [
             x
@@ -697,7 +706,7 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
             r.setdefault("token_gap", {})[x["system"]] = off
             if off > 0.01:
                 problems.append(
-                    f"{r['workload']} round {r['round']}: vqueue generated "
+                    f"{r['workload']} round {r['round']}: {r['system']} generated "
                     f"{r['generated_tokens']} tokens, {x['system']} "
                     f"{x['generated_tokens']} ({off:.1%} apart)"
                 )
@@ -729,7 +738,7 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
                 ),
                 "power_w": _median(r.get("power_w_mean") for r in rs),
             }
-            if s == "vqueue" and any("ratio_vs_raw" in r for r in rs):
+            if s in QUEUED and any("ratio_vs_raw" in r for r in rs):
                 summary["ratio_vs_raw"] = statistics.median(
                     r["ratio_vs_raw"] for r in rs if "ratio_vs_raw" in r
                 )
@@ -843,8 +852,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
         "--systems",
-        default=",".join(SYSTEMS),
-        help="a subset of: " + ", ".join(SYSTEMS) + " (vqueue is always compared to the raw "
+        default=",".join(SYSTEMS[:3]),
+        help="a subset of: " + ", ".join(SYSTEMS) + " (each vqueue row is compared to the raw "
         "rows run)",
     )
     ap.add_argument("--max-model-len", type=int, default=40960)
@@ -915,6 +924,13 @@ def main() -> None:
     # system meets a workload's shapes (CUDA graphs, grammars, long prompts) first in round 1
     warm_of = {k: v * a.warm_scale for k, v in scale_of.items()}
     loads[0] = build(texts, a.scale * a.warm_scale, a.workloads, warm_of, 0, a.scale < 0.1)
+    # the no-monitor system shares vqueue's engine: texts of its own each round (same shapes and
+    # sizes), or it would find the prompts vqueue just ran in that engine's prefix cache
+    own = {
+        r: build(texts, a.scale, a.workloads, scale_of, 1000 + r)
+        for r in range(1, last + 1)
+        if "vqueue no-monitor" in a.systems
+    }
     prof = out / "profile"
     if a.profile:  # every process started from here on samples itself while prof/on exists
         from .profiling import sampler
@@ -957,7 +973,7 @@ def main() -> None:
         systems = [s for s in SYSTEMS if s in a.systems]
         for name, jobs in loads[0].items():  # round 0: every workload warm on every system
             for s in systems:
-                _ = vq.run(name, jobs, 0) if s == "vqueue" else raw.run(s, name, 0)
+                _ = vq.run(name, jobs, 0, s) if s in QUEUED else raw.run(s, name, 0)
         round_s = 0.0
         for rnd in range(1, last + 1):
             if a.budget_s and time.perf_counter() - began + round_s > a.budget_s:
@@ -973,7 +989,11 @@ def main() -> None:
                     if profiled:  # every process samples itself during this run only
                         (prof / "on").write_text(part)
                     t_run = time.time()
-                    r = vq.run(name, jobs, rnd) if s == "vqueue" else raw.run(s, name, rnd)
+                    if s in QUEUED:
+                        mine = own[rnd][name] if s == "vqueue no-monitor" else jobs
+                        r = vq.run(name, mine, rnd, s)
+                    else:
+                        r = raw.run(s, name, rnd)
                     r.update(started_at=t_run, **gpu.during(t_run, time.time()))
                     if profiled:
                         (prof / "on").unlink()
