@@ -13,6 +13,7 @@ sample), and the answers' mean length over their ``max_tokens``.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from schemas import BatchStatus, CanaryReport, Envelope, JobResult, Settings
 
-from .inputs import read_lines
+from .inputs import Parsed, read_lines
 
 if TYPE_CHECKING:
     from .client import Client
@@ -72,6 +73,44 @@ def pick(items: Iterable[T], share: float, min_jobs: int, lines: int, seed: str)
             chosen = rng.randrange(every)
         if i % every == chosen:
             yield item
+
+
+def first_owners(
+    chosen: dict[int, Parsed],
+    lines: Iterable[tuple[int, bytes]],
+    parse: Callable[[int, bytes], Parsed],
+) -> list[Parsed]:
+    """The canary's parsed lines (by line number), each in its id's first valid line: the feed
+    keeps that line and reports later ones as duplicates, so a canary that ran a later line
+    would answer the id with another line's job. ``lines`` is the input as numbered raw lines;
+    only those before the last chosen one are read, and only the few whose id is a chosen
+    one's are parsed whole."""
+    owner: dict[str, tuple[int, Parsed]] = {}
+    for n in sorted(chosen):
+        p = chosen[n]
+        if p.job is not None and p.job.id not in owner:
+            owner[p.job.id] = (n, p)
+    last = max((n for n, _ in owner.values()), default=0)
+    for n, raw in lines:
+        if n >= last:
+            break
+        ident = _line_id(raw)
+        if ident is None or ident not in owner or n >= owner[ident][0]:
+            continue
+        p = parse(n, raw)
+        if p.job is not None and p.job.id == ident:  # an invalid line owns nothing
+            owner[ident] = (n, p)
+    return [p for _, p in sorted(owner.values(), key=lambda x: x[0])]
+
+
+def _line_id(raw: bytes) -> str | None:
+    """A line's job id as ``producer.inputs`` reads it (``custom_id``, else ``id``), or None."""
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    ident = obj.get("custom_id", obj.get("id")) if isinstance(obj, dict) else None
+    return ident if isinstance(ident, str) else None
 
 
 def run(

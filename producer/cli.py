@@ -304,18 +304,24 @@ def submit(
             def quietly(_line: int, _ident: str | None, _error: str) -> None:
                 """The feed reports bad lines; the canary's pass over the input skips them."""
 
-            from .canary import count_lines, pick
+            from .canary import count_lines, first_owners, pick
+
+            def parse(n: int, raw: bytes) -> Parsed:
+                return parse_line(n, raw, priority, system)
+
+            def numbered() -> Iterator[tuple[int, bytes]]:
+                with open(file, "rb") as again:
+                    yield from ((n, r) for n, r in enumerate(read_lines(again), 1) if r.strip())
 
             def picked() -> Iterator[Envelope]:
                 """The canary's lines, parsed alone: the rest are parsed once, by the feed."""
-                lines = count_lines(file)
-                with open(file, "rb") as again:
-                    raws = ((n, raw) for n, raw in enumerate(read_lines(again), 1) if raw.strip())
-                    least = client.settings.canary_min_jobs
-                    for n, raw in pick(raws, share, least, lines, batch):
-                        env = envelope(parse_line(n, raw, priority, system), quietly)
-                        if env is not None:
-                            yield env
+                least = client.settings.canary_min_jobs
+                some = pick(numbered(), share, least, count_lines(file), batch)
+                chosen = {n: parse(n, raw) for n, raw in some}
+                for p in first_owners(chosen, numbered(), parse):
+                    env = envelope(p, quietly)
+                    if env is not None:
+                        yield env
 
             sample = list(picked())
             if not sample:

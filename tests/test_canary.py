@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from producer.canary import count_lines, judge, lower_bound, pick, script, spacing
-from producer.inputs import Parsed
+from producer.canary import count_lines, first_owners, judge, lower_bound, pick, script, spacing
+from producer.inputs import Parsed, parse_line
 from protocol.exits import RET_NOT_FOUND, RET_PAUSED, RET_STALLED, RET_USAGE
 from schemas import Envelope, JobError, JobResult, Settings, Timings, Usage
 from schemas.jobs import SummarizeJob
@@ -72,6 +72,34 @@ def test_a_canary_that_passes_sends_the_rest_and_each_job_runs_once(
     assert st["total"] == 30
     shown = run_cli("status", summary["batch"]).stdout.decode()
     assert "canary passed: 10 jobs" in shown, shown
+
+
+@pytest.mark.engine
+def test_a_canary_that_picks_a_duplicate_line_runs_its_ids_first_line(
+    worker: WorkerProc, tmp_path: Path
+) -> None:
+    # Given 30 lines, one id on two of them: an earlier summary the canary does not pick and a
+    # later extraction it does (its picks follow from the batch id)
+    batch = f"{RUN}-dup"
+    picked = list(pick(range(30), 0.1, 10, 30, batch))
+    later = next(m for m in picked if m > 0 and m - 1 not in picked)
+    lines: list[dict[str, Any]] = [
+        {"id": f"d{i}", "type": "extract", "text": f"{RUN}: my name is Ana, order {i}.",
+         "json_schema": NAME, "max_tokens": 64} for i in range(30)]  # fmt: skip
+    lines[later - 1] = {"id": "dup", "type": "summarize", "text": f"{RUN}: the bridge closed.",
+                        "max_tokens": 16}  # fmt: skip
+    lines[later]["id"] = "dup"
+    src = _write(tmp_path / "dup.jsonl", lines)
+    # When they are submitted behind a canary
+    errors = tmp_path / "errors.jsonl"
+    proc = run_cli("submit", str(src), "--batch", batch, "--canary", "10%", "--wait", "-q",
+                   "--errors", str(errors))  # fmt: skip
+    # Then "dup" is answered once, for its first line, and the later line is the duplicate
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(x) for x in run_cli("results", batch).stdout.decode().splitlines()]
+    dup = [r for r in results if r["id"] == "dup"]
+    assert len(results) == 29 and len(dup) == 1 and dup[0]["type"] == "summarize", dup
+    assert b"1 lines rejected" in proc.stderr, proc.stderr
 
 
 @pytest.mark.engine
@@ -166,6 +194,22 @@ def test_the_canary_spreads_over_the_input(tmp_path: Path) -> None:
     assert picked == [p.line for p in pick(parsed, 0.1, 5, 100, "batch-1")]  # the same again
     # of an input whose kinds take turns (summarize, extract, codegen, ...), more than one kind
     assert len({n % 3 for n in picked}) > 1, picked
+
+
+@pytest.mark.unit
+def test_a_canary_line_gives_way_to_the_first_valid_line_of_its_id() -> None:
+    def line(ident: str, kind: str = "summarize") -> bytes:
+        return json.dumps({"id": ident, "type": kind, "text": "t"}).encode()
+
+    raws = [line("a"), b'{"id": "b", "type": "nope"}', line("b"), line("a"), line("b"),
+            line("c"), line("c")]  # fmt: skip
+    numbered = list(enumerate(raws, 1))
+    chosen = {n: parse_line(n, raws[n - 1]) for n in (2, 4, 5, 6, 7)}
+    owners = first_owners(chosen, numbered, parse_line)
+    # "a" and "b" move to their first valid lines (line 2 is invalid: it owns nothing), "c"
+    # keeps line 6, and line 2's error leaves the canary
+    assert [p.line for p in owners] == [1, 3, 6]
+    assert [p.job.id for p in owners if p.job] == ["a", "b", "c"]
 
 
 @pytest.mark.unit
