@@ -25,6 +25,7 @@ class StubEngine:
         self.model_name = "stub"
         self.model_names = [self.model_name]
         self.adapters: dict[str, Any] = {}  # no LoRA
+        self.plan = None  # no vLLM engine, so none of vqueue's optimizations in one
         self.in_flight = self.max_in_flight = self.jobs_done = 0
         self.started_at = time.time()
         self._lock = threading.Lock()

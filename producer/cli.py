@@ -718,6 +718,7 @@ def describe_plan(plan: dict[str, Any]) -> str:
     """One line of a worker's engine plan (``worker.vllm_ext.compat.Plan``), degraded first."""
     on = [k for k in ("guided_batching", "grammar_reuse", "mask_reorder") if plan.get(k)]
     on += ["urgent_preempt"] if plan.get("urgent_order") is not None else []
+    on += ["loop_check"] if plan.get("loop_check") else []
     text = (
         f"vLLM {plan.get('vllm')}, model runner {plan.get('model_runner')}, early stop "
         f"{plan.get('monitor')}, {', '.join(on) or 'no vqueue patches'}"

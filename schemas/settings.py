@@ -257,12 +257,15 @@ class Settings(BaseSettings):
     # -- loops (worker/runner.py; docs/quality.md): a generation whose last tokens repeat one
     # cycle of up to loop_max_cycle_tokens tokens loop_min_repeats times in a row (the same
     # array item again and again, one sentence over and over) is ended in the engine by vLLM's
-    # repetition detection, and the job runs again with a frequency penalty on its own tokens,
+    # repetition detection (answered by worker/vllm_ext/loops.py where docs/vllm-compat.md
+    # lists it; elsewhere vLLM's own check covers cycles of up to 32 tokens unless this is set,
+    # its cost growing with the range), and the job runs again with a frequency penalty on its
+    # own tokens,
     # at most loop_retries times. A model is confident while it loops, so the logprob rule
     # does not see it. "json": only jobs that must return JSON; off: never. Jobs with
     # ignore_eos ask for a fixed length and are never cut.
     loop_detection: Literal["all", "json", "off"] = "all"
-    loop_max_cycle_tokens: int = Field(default=32, ge=2, le=256)
+    loop_max_cycle_tokens: int = Field(default=256, ge=2, le=1024)
     loop_min_repeats: int = Field(default=3, ge=2, le=64)
     loop_retries: int = Field(default=1, ge=0, le=5)
     loop_retry_frequency_penalty: float = Field(default=0.5, gt=0.0, le=2.0)

@@ -53,6 +53,7 @@ class FakeEngine:
         self.model_names = settings.served_names() if settings.served_model_name else ["fake"]
         self.model_name = self.model_names[0]
         self.adapters: dict[str, Any] = {}  # no LoRA
+        self.plan = None  # no vLLM engine, so none of vqueue's optimizations in one
         self.delay = float(os.environ.get("VQUEUE_TEST_FAKE_DELAY_S", "0.2"))
         self.in_flight = self.max_in_flight = self.jobs_done = 0
         self.started_at = time.time()

@@ -51,6 +51,7 @@ def test_every_vllm_symbol_an_optimization_touches_is_the_one_it_was_verified_on
         "guided-batching",
         "grammar-reuse",
         "urgent-preempt",
+        "loop-check",
     } <= set(here)
     for name in here:
         for module, qualname in SYMBOLS[name]:
@@ -63,6 +64,8 @@ def test_every_vllm_symbol_an_optimization_touches_is_the_one_it_was_verified_on
     assert (p.monitor, p.guided_batching, p.grammar_reuse, p.mask_reorder) == ("v1", True, True,
                                                                              True)  # fmt: skip
     assert plan(vllm_version(), v2=True).monitor == "v2" and p.missing == {}
+    # the loop check where loops are watched, never else
+    assert p.loop_check and not plan(vllm_version(), v2=False, loops=False).loop_check
     # urgent preemption where the settings want it (urgent jobs at vLLM priority 0), never else
     assert plan(vllm_version(), v2=False, urgent_order=0).urgent_order == 0
     assert p.urgent_order is None
@@ -80,15 +83,16 @@ def test_an_unknown_vllm_gets_none_of_it_and_an_error_for_each(
         # Then nothing of vqueue's goes into it: early stop falls back to vLLM's own logprobs
         assert p.monitor == "logprobs"
         assert not (p.guided_batching or p.grammar_reuse or p.mask_reorder)
-        assert p.urgent_order is None
+        assert p.urgent_order is None and not p.loop_check
         assert p.degraded
         # and the worker logs one ERROR per optimization, naming it, the version and the fallback
         caplog.clear()
         log_missing(p)
         errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-        assert len(errors) == 5, errors
+        assert len(errors) == 6, errors
         assert all("vLLM 0.33.0 is not a release it was verified on" in e for e in errors)
         assert any("monitor" in e and "vLLM's own logprobs" in e for e in errors)
+        assert any("loop-check" in e and "cycles of up to 32 tokens" in e for e in errors)
     # and a changed function within a verified release is caught by its fingerprint, not trusted
     from worker.vllm_ext import compat
 
@@ -107,10 +111,12 @@ import json
 from vllm.plugins import load_general_plugins
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.structured_output.backend_guidance import GuidanceBackend
+from vllm.v1.core.sched import utils
 load_general_plugins()
 print(json.dumps({
     "batched": getattr(StructuredOutputManager.grammar_bitmask, "__vqueue__", False),
     "reuse": getattr(GuidanceBackend.compile_grammar, "__vqueue__", False),
+    "loops": utils.check_sequence_repetition.__module__ == "worker.vllm_ext.loops",
 }))
 """
 
@@ -125,7 +131,7 @@ def test_the_plugin_acts_only_in_engines_a_worker_starts() -> None:
 
     bare = {k: v for k, v in os.environ.items() if not k.startswith("VQUEUE_ENGINE")}
     # Then vLLM loads the plugin there, and it changes nothing
-    assert run(bare) == {"batched": False, "reuse": False}
+    assert run(bare) == {"batched": False, "reuse": False, "loops": False}
     # while in an engine a worker starts (its pid and plan in the environment) it installs
     # what the plan says
     from worker.vllm_ext.compat import plan, vllm_version
@@ -133,7 +139,7 @@ def test_the_plugin_acts_only_in_engines_a_worker_starts() -> None:
     p = plan(vllm_version(), v2=False)
     owned = dict(bare, VQUEUE_ENGINE_OWNER=str(os.getpid()),
                  VQUEUE_ENGINE_PLAN=json.dumps(p.as_dict()))  # fmt: skip
-    assert run(owned) == {"batched": True, "reuse": True}
+    assert run(owned) == {"batched": True, "reuse": True, "loops": True}
 
 
 def test_the_v2_monitor_through_vllms_public_interface(tmp_path: Path) -> None:

@@ -676,6 +676,7 @@ def test_the_job_timeout_covers_the_json_retry() -> None:
     class CutOff:
         model_name = "stand-in"
         adapters: dict[str, Any] = {}
+        plan = None
 
         def chat_prompt(self, messages: list[dict[str, str]], *_: Any, **__: Any) -> list[int]:
             return [1] * 20

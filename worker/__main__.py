@@ -183,7 +183,7 @@ def _check(as_json: bool) -> None:
         click.echo(f"{key:<18} {report[key]}")
     click.echo(f"{'model_runner':<18} {report['model_runner']}")
     click.echo(f"{'early_stop':<18} {report['monitor']}")
-    for key in ("guided_batching", "grammar_reuse", "mask_reorder"):
+    for key in ("guided_batching", "grammar_reuse", "mask_reorder", "loop_check"):
         click.echo(f"{key:<18} {'on' if report[key] else 'off'}")
     order = report["urgent_order"]
     click.echo(f"{'urgent_preempt':<18} {'off' if order is None else f'vLLM priority <= {order}'}")

@@ -52,6 +52,7 @@ from .structured import (
     generation_schema,
     schema_token_budget,
 )
+from .vllm_ext.compat import LOOP_FALLBACK_TOKENS, Plan
 
 log = logging.getLogger(__name__)
 
@@ -318,12 +319,14 @@ def _answer(
     result.text = gen.text
     result.finish_reason = gen.finish_reason
     result.logprobs = gen.logprobs
+    thrown = [a.tokens for a in result.attempts if a.reason in ("low_confidence", "loop")]
+    if result.attempts and result.attempts[-1].reason == "loop":
+        thrown.pop()  # every run looped: the last is the answer (its text kept), not waste
     result.usage = Usage(
         prompt_tokens=gen.prompt_tokens,
         completion_tokens=gen.completion_tokens,
         cached_tokens=gen.cached_tokens,
-        wasted_tokens=cut
-        + sum(a.tokens for a in result.attempts if a.reason in ("low_confidence", "loop")),
+        wasted_tokens=cut + sum(thrown),
     )
     t = result.timings
     t.sent_at, t.submitted_at, t.scheduled_at = gen.sent_at, gen.submitted_at, gen.scheduled_at
@@ -487,7 +490,7 @@ def generate(
     if deadline is None:
         limit = min(job.timeout_s or settings.job_timeout_s, settings.job_timeout_s)
         deadline = time.monotonic() + limit
-    loops = loop_detection(job, settings)
+    loops = loop_detection(job, settings, engine.plan)
     penalty = 0.0
     for retry in range(settings.loop_retries + 1):
         key = prefix_key if retry == 0 else None
@@ -502,6 +505,9 @@ def generate(
     return gen  # every run looped: the caller reports it
 
 
+# the shortest pattern a loop check tries: shorter cycles count as their multiples
+SHORTEST_PATTERN = 17
+
 _DIGITS = re.compile(r"\d+")
 # a tail of at least REPEAT_COPIES copies of one chunk of REPEAT_MIN_CHARS to REPEAT_MAX_CHARS
 REPEAT_COPIES = 3
@@ -513,7 +519,7 @@ def repeats_at_end(text: str) -> bool:
     """Whether ``text`` ends in one chunk repeated over and over, its numbers aside: a JSON
     array cycling through the same items (``{"item": "flour"}, {"item": "milk"}, ...``, however
     many tokens one cycle takes), or a numbered list repeating one line ("13. 注意防范山洪
-    14. 注意防范山洪 ..."). vLLM's repetition detection in the engine stops cycles of up to
+    14. 注意防范山洪 ..."). The engine's loop check stops cycles of up to
     ``VQUEUE_LOOP_MAX_CYCLE_TOKENS`` tokens of identical ids as they happen; this reads an
     answer that ran to ``max_tokens`` for the rest, so that it is retried as a loop (a
     frequency penalty) rather than given more room to loop in. Characters, not tokens: one
@@ -535,11 +541,15 @@ def _as_loop(gen: Generation, loops: Any) -> Generation:
     return gen
 
 
-def loop_detection(job: Any, settings: Settings) -> Any:
+def loop_detection(job: Any, settings: Settings, plan: Plan | None = None) -> Any:
     """vLLM's ``RepetitionDetectionParams`` for the job, or None where loops are not watched.
-    Pattern sizes from half the longest cycle to all of it: a cycle of ``c`` tokens repeats as
-    every multiple of ``c``, and that range holds one for every ``c`` up to the longest, so the
-    engine checks half as many sizes per step as 1..longest would."""
+    Pattern sizes up to the longest cycle, from half of it but at most ``SHORTEST_PATTERN``: a
+    cycle of ``c`` tokens repeats as every multiple of ``c``, and that range holds one for every
+    ``c`` up to the longest, so a short cycle counts only once its copies span a few dozen
+    tokens ("-----", "0, 0, 0" are text, not loops). Where the plan has no ``loop-check``
+    (``worker.vllm_ext.loops``), vLLM's own check runs, whose cost grows with the range: the
+    default then covers cycles of up to ``LOOP_FALLBACK_TOKENS``, and a value set on purpose
+    is kept."""
     mode = settings.loop_detection
     if mode == "off" or job.ignore_eos or (mode == "json" and not _wants_json(job)):
         return None
@@ -549,9 +559,12 @@ def loop_detection(job: Any, settings: Settings) -> Any:
         _warn_once("this vLLM has no repetition detection: loops are not caught")
         return None
     longest = settings.loop_max_cycle_tokens
+    own = plan is not None and plan.loop_check
+    if not own and "loop_max_cycle_tokens" not in settings.model_fields_set:
+        longest = min(longest, LOOP_FALLBACK_TOKENS)
     return RepetitionDetectionParams(
         max_pattern_size=longest,
-        min_pattern_size=longest // 2 + 1,
+        min_pattern_size=min(longest // 2 + 1, SHORTEST_PATTERN),
         min_count=settings.loop_min_repeats,
     )
 

@@ -42,14 +42,20 @@ VERIFIED: dict[str, tuple[str, ...]] = {
     "mask-reorder": ("0.26", "0.32"),
     # an urgent request waiting for a slot preempts a lower-ranked running one (private)
     "urgent-preempt": ("0.26", "0.32"),
+    # vLLM's loop check answered from each request's last tokens' earlier places (private)
+    "loop-check": ("0.26", "0.32"),
 }
 
 _G = "vllm.v1.structured_output.backend_guidance"
 _S = "vllm.v1.core.sched.scheduler"
 _Q = "vllm.v1.core.sched.request_queue"
+_U = "vllm.v1.core.sched.utils"
 # Optimizations that patch vLLM's private internals (installed by the plugin); the others go
 # through vLLM's public interfaces.
-PRIVATE = ("monitor-v2-hook", "guided-batching", "grammar-reuse", "mask-reorder", "urgent-preempt")
+PRIVATE = (
+    "monitor-v2-hook", "guided-batching", "grammar-reuse", "mask-reorder", "urgent-preempt",
+    "loop-check",
+)  # fmt: skip
 
 # The vLLM symbols each optimization relies on: (module, qualified name).
 SYMBOLS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -83,6 +89,12 @@ SYMBOLS: dict[str, tuple[tuple[str, str], ...]] = {
         (_Q, "PriorityRequestQueue.peek_request"),
         (_Q, "PriorityRequestQueue.__iter__"),
     ),
+    # what it replaces, and the one caller that hands it each request's own list and params
+    "loop-check": (
+        (_U, "check_sequence_repetition"),
+        (_U, "_has_repeating_pattern"),
+        (_U, "check_stop"),
+    ),
 }
 
 # release -> (module:qualname) -> fingerprint (``fingerprint``) of the verified source.
@@ -104,6 +116,9 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         f"{_S}:Scheduler._preempt_request": "e69d81541237",
         f"{_Q}:PriorityRequestQueue.peek_request": "1c1130b4cfec",
         f"{_Q}:PriorityRequestQueue.__iter__": "078f739cb300",
+        f"{_U}:check_sequence_repetition": "a4c065ad9237",
+        f"{_U}:_has_repeating_pattern": "9fe2473381e4",
+        f"{_U}:check_stop": "b8d84af7275a",
     },
     "0.32": {
         "vllm.v1.sample.logits_processor.interface:BatchUpdate": "84a54c324cfa",
@@ -121,8 +136,14 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         f"{_S}:Scheduler._preempt_request": "73cb386c5caf",
         f"{_Q}:PriorityRequestQueue.peek_request": "1c1130b4cfec",
         f"{_Q}:PriorityRequestQueue.__iter__": "078f739cb300",
+        f"{_U}:check_sequence_repetition": "a4c065ad9237",
+        f"{_U}:_has_repeating_pattern": "9fe2473381e4",
+        f"{_U}:check_stop": "ee9b11e656c8",
     },
 }
+
+# the longest cycle vLLM's own loop check is given where ``loop-check`` is not installed
+LOOP_FALLBACK_TOKENS = 32
 
 MonitorPath = Literal["v2", "v2-hook", "v1", "logprobs", "off"]
 
@@ -210,6 +231,9 @@ class Plan:
     # vLLM priority (lower first) at or below which a waiting request preempts a lower-ranked
     # running one when no slot is free (``scheduler.py``); None: never
     urgent_order: int | None
+    # loops of up to Settings.loop_max_cycle_tokens caught by ``loops.py``; without it, vLLM's
+    # own check, whose cost grows with the range, covers cycles of up to LOOP_FALLBACK_TOKENS
+    loop_check: bool
     # optimization -> why it is not installed here (each logged once as an ERROR)
     missing: dict[str, str]
 
@@ -234,13 +258,15 @@ def plan(
     patches: bool = True,
     plugin: bool = True,
     urgent_order: int | None = None,
+    loops: bool = True,
 ) -> Plan:
     """The optimizations the engine gets on vLLM ``version`` with this model runner (``v2``)
     and these settings; each one the settings want but this vLLM cannot take is in
     ``missing``. ``patches`` False (``VQUEUE_VLLM_PATCHES=false``) leaves only what vLLM's
     public interfaces allow; ``plugin`` False (vqueue's plugin not registered with vLLM) makes
     the private ones missing. ``urgent_order``: the urgent jobs' vLLM priority under the
-    priority policy (None: no preemption wanted). Pure: no vLLM import, nothing logged."""
+    priority policy (None: no preemption wanted); ``loops``: loops are watched at all. Pure: no
+    vLLM import, nothing logged."""
     missing: dict[str, str] = {}
 
     def ok(name: str) -> bool:
@@ -275,6 +301,7 @@ def plan(
         urgent_order=(
             urgent_order if urgent_order is not None and patches and ok("urgent-preempt") else None
         ),
+        loop_check=loops and patches and ok("loop-check"),
         missing=missing,
     )
 
@@ -290,6 +317,8 @@ def log_missing(p: Plan, where: logging.Logger = log) -> None:
         "grammar-reuse": "vLLM compiles each request's grammar itself",
         "mask-reorder": "vLLM reorders the grammar mask on the host",
         "urgent-preempt": "an urgent job waits in vLLM's line for a running one to finish",
+        "loop-check": f"vLLM's own loop check catches cycles of up to {LOOP_FALLBACK_TOKENS} "
+        "tokens (its cost grows with the range)",
     }
     for name, reason in p.missing.items():
         where.error(

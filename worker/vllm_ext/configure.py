@@ -56,6 +56,7 @@ def plan_for(settings: Settings, v2: bool) -> Plan:
         patches=settings.vllm_patches,
         plugin=plugin_registered(),
         urgent_order=urgent_order(settings),
+        loops=settings.loop_detection != "off",
     )
     return p
 

@@ -46,6 +46,10 @@ def vllm_plugin() -> None:
         install_batched_guided_step(threads, reorder=bool(plan.get("mask_reorder")))
     if plan.get("grammar_reuse"):
         install_grammar_reuse(threads)
+    if plan.get("loop_check"):
+        from worker.vllm_ext.loops import install
+
+        install()
     if plan.get("monitor") == "v2-hook":
         from worker.vllm_ext.monitor import install_v2_hook
 
