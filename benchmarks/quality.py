@@ -235,6 +235,74 @@ LOOPS: list[dict[str, Any]] = [
         "great participation; Ethan Kim, C+, needs to attend office hours.",
         "expected": {"course": "Chemistry 101"},
     },  # fmt: skip
+    # longer items: without a loop check the embedded model cycles through one to three of them,
+    # about 30 (reviews), 55 (tickets) and 165 (papers) tokens a cycle
+    {
+        "id": "reviews-en",
+        "lang": "en",
+        "schema": _obj(
+            product=STR,
+            reviews={
+                "type": "array",
+                "items": _obj(author=STR, date=STR, rating=STR, title=STR, body=STR),
+            },
+        ),
+        "text": "Reviews of the Aria kettle. Jan Novak, 3 May: five stars, 'Fast and quiet' - "
+        "boils a litre in two minutes and the lid never sticks. Priya Shah, 9 May: three stars, "
+        "'Pretty but small' - looks lovely on the counter, though it holds barely enough for four "
+        "cups. Tom Berg, 12 May: one star, 'Leaks' - water pooled under the base after a week.",
+        "expected": {},
+    },  # fmt: skip
+    {
+        "id": "flights-en",
+        "lang": "en",
+        "schema": _obj(
+            passenger=STR,
+            flights={
+                "type": "array",
+                "items": _obj(
+                    flight=STR, origin=STR, destination=STR, departure=STR, arrival=STR, seat=STR
+                ),
+            },
+        ),
+        "text": "Itinerary for Maria Lopez: flight IB3166 from Madrid to Paris, departs 07:10, "
+        "arrives 09:15, seat 14C; flight AF1480 from Paris to Oslo, departs 11:40, arrives 14:20, "
+        "seat 22A; flight SK4035 from Oslo to Tromso, departs 16:05, arrives 17:55, seat 3F.",
+        "expected": {"passenger": "Maria Lopez"},
+    },  # fmt: skip
+    {
+        "id": "tickets-en",
+        "lang": "en",
+        "schema": _obj(
+            team=STR,
+            tickets={
+                "type": "array",
+                "items": _obj(
+                    id=STR, title=STR, reporter=STR, priority=STR, status=STR, summary=STR
+                ),
+            },
+        ),
+        "text": "Support queue for the billing team. BILL-101 'Invoice total wrong' reported by "
+        "Ana Silva, high priority, open: the total omits the shipping line. BILL-102 'Duplicate "
+        "charge' reported by Ken Ito, urgent, in progress: the card was charged twice for one "
+        "order. BILL-103 'Refund missing' reported by Lea Roy, medium, waiting: a refund approved "
+        "last week has not arrived.",
+        "expected": {},
+    },  # fmt: skip
+    {
+        "id": "papers-en",
+        "lang": "en",
+        "schema": _obj(
+            venue=STR,
+            papers={"type": "array", "items": _obj(title=STR, authors=STR, year=STR, abstract=STR)},
+        ),
+        "text": "Accepted at the Data Systems Workshop: 'Streaming Joins at Scale' by P. Nair and "
+        "L. Chen (2024), which shows a join that spills to disk only for skewed keys; 'Cheap "
+        "Lakehouse Compaction' by M. Rossi (2023), which halves compaction cost with size-tiered "
+        "merges; 'Vector Search in Production' by A. Tanaka and J. Okoro (2024), which reports "
+        "recall and latency on ten billion vectors.",
+        "expected": {},
+    },  # fmt: skip
 ]
 
 CODE: list[dict[str, Any]] = [
@@ -464,8 +532,10 @@ def main() -> None:
     ap.add_argument("--results", default="", help="the JSON to write (default: results/)")
     ap.add_argument(
         "--only",
-        choices=["codegen"],
-        help="codegen: only the codegen-with-tests set (benchmarks/codegen_set.py)",
+        choices=["codegen", "loops"],
+        help="codegen: only the codegen-with-tests set (benchmarks/codegen_set.py); loops: only "
+        "the loop cases, on a worker with the default loop check and on one that checks cycles "
+        "of up to 32 tokens",
     )
     ap.add_argument("--attempts", type=int, default=3, help="k of pass@k (max_attempts)")
     a = ap.parse_args()
@@ -479,6 +549,9 @@ def main() -> None:
     print(f"quality: starting a worker on {a.model} (logs in {a.out})", file=sys.stderr)
     if a.only == "codegen":
         codegen_only(a, report)
+        return
+    if a.only == "loops":
+        loops_only(a, report)
         return
     w = Worker(a, "on")
     try:
@@ -653,30 +726,59 @@ def _spent(r: Any) -> dict[str, Any]:
     }
 
 
-def loops_table(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
-    rows = []
-    for c in LOOPS:
-        a, b = on[c["id"]], off[c["id"]]
-        rows.append(
-            {
-                "id": c["id"],
-                "with_detection": {
-                    "status": a.status,
-                    "error": a.error.type if a.error else None,
-                    "loops": sum(t.reason == "loop" for t in a.attempts),
-                    "tokens": a.usage.completion_tokens + a.usage.wasted_tokens,
-                    "right": value_accuracy(c["expected"], a.data)[0],
-                },
-                "without": {
-                    "status": b.status,
-                    "error": b.error.type if b.error else None,
-                    "tokens": b.usage.completion_tokens + b.usage.wasted_tokens,
-                    "right": value_accuracy(c["expected"], b.data)[0],
-                },
-                "expected": len(c["expected"]),
-            }
-        )
+def loops_table(on: dict[str, Any], off: dict[str, Any], other: str = "without") -> dict[str, Any]:
+    def side(r: Any, c: dict[str, Any]) -> dict[str, Any]:
+        looped = [t for t in r.attempts if t.reason == "loop"]
+        return {
+            "status": r.status,
+            "error": r.error.type if r.error else None,
+            "loops": len(looped),
+            # the first looped run's tokens: under its max_tokens, the engine ended it
+            "first_loop_tokens": looped[0].tokens if looped else None,
+            "tokens": r.usage.completion_tokens + r.usage.wasted_tokens,
+            "right": value_accuracy(c["expected"], r.data)[0],
+        }
+
+    rows = [
+        {"id": c["id"], "with_detection": side(on[c["id"]], c), other: side(off[c["id"]], c),
+         "expected": len(c["expected"])}
+        for c in LOOPS
+    ]  # fmt: skip
     return {"rows": rows}
+
+
+def loops_only(a: argparse.Namespace, report: dict[str, Any]) -> None:
+    """The loop cases on a worker with the default loop check and on one whose check covers
+    cycles of up to 32 tokens: which loops the engine ends, after how many tokens."""
+    report["command"] += " --only loops"
+    got = {}
+    for name, env in (("default", {}), ("32", {"VQUEUE_LOOP_MAX_CYCLE_TOKENS": "32"})):
+        w = Worker(a, f"loops-{name}", **env)
+        try:
+            got[name], _ = w.run([extract_job(c) for c in LOOPS])
+            report.setdefault("loop_check", {})[name] = _plan_of(w)
+        finally:
+            w.close()
+    report["loops"] = loops_table(got["default"], got["32"], "cycles_up_to_32")
+    name = f"quality-loops-{Path(a.model).name}-{report['date']}.json"
+    out = Path(a.results or ROOT / "benchmarks" / "results" / name)
+    out.write_text(json.dumps(report, indent=2, ensure_ascii=False, default=str))
+    print("| case | default: outcome, loops, first loop's tokens, tokens | up to 32: the same |")
+    print("|---|---|---|")
+    for row in report["loops"]["rows"]:
+        cells = [row["with_detection"], row["cycles_up_to_32"]]
+        print(f"| {row['id']} | " + " | ".join(
+            f"{x['error'] or x['status']}, {x['loops']}, {x['first_loop_tokens'] or '-'}, "
+            f"{x['tokens']:,}" for x in cells) + " |")  # fmt: skip
+    print(f"wrote {out}", file=sys.stderr)
+
+
+def _plan_of(w: Worker) -> Any:
+    """The worker's engine plan's loop check, from its heartbeat (``vqueue status``)."""
+    for info in w.client.store.workers():
+        if not info.get("intake_of"):
+            return (info.get("engine") or {}).get("loop_check")
+    return None
 
 
 def print_tables(r: dict[str, Any]) -> None:
