@@ -55,6 +55,20 @@ def test_system_prompt_per_job_per_batch_or_none(client: Client, tmp_path: Path)
     assert res.usage.prompt_tokens == n["none"]
 
 
+def test_seeded_jobs_among_long_prompts_leave_the_cpu_engine_running(client: Client) -> None:
+    # Given sampled jobs with a seed whose prompts together fill several engine steps (on a CPU,
+    # a prefill split over steps would make vLLM rewind a generator that cannot rewind)
+    text = " ".join(
+        f"The river rose {i} metres overnight; the bridge was closed." for i in range(90)
+    )
+    jobs = [{"id": f"seeded-{i}", "type": "summarize", "text": f"{RUN} {i}: {text}", "seed": 7,
+             "temperature": 0.8, "max_tokens": 8} for i in range(10)]  # fmt: skip
+    # Then every one is answered, by the same engine
+    got = list(client.submit_many(jobs).results(timeout=600))
+    assert [r.status for r in got] == ["completed"] * 10, [(r.id, r.error) for r in got]
+    assert all(r.usage.prompt_tokens > 1000 for r in got), [r.usage.prompt_tokens for r in got]
+
+
 def test_input_hygiene_strips_and_counts(client: Client) -> None:
     # Given a text with zero-width characters, a BOM, control characters and pasted spacing
     dirty = "\ufeffBees\u200b make\u00a0\u00a0honey.\x07\x1b  They   live\u200d in hives.\r\n"

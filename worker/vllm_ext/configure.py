@@ -135,6 +135,14 @@ def engine_kwargs(s: Settings, model_path: str) -> dict[str, Any]:
         kwargs.update(enable_lora=True, max_loras=s.max_loras, max_lora_rank=s.max_lora_rank)
     if s.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
+    if not cuda:
+        # vLLM rewinds a seeded request's generator past the token a split prefill throws
+        # away, and a CPU generator cannot rewind: one job with a `seed` among long prompts
+        # would end the engine. Whole prefills never throw a token away; a step then holds
+        # up to a whole prompt, so its budget is at least the context (vLLM's default then)
+        kwargs["enable_chunked_prefill"] = False
+        if s.max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = max(s.max_num_batched_tokens, s.max_model_len)
     if s.load_format != "auto":
         kwargs["load_format"] = s.load_format
     if s.quantization:
