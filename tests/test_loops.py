@@ -83,3 +83,44 @@ def test_a_cleared_output_is_read_afresh() -> None:
     for t in (1, 2, 3, 4, 5, 6):
         tokens.append(t)
         assert not check_sequence_repetition(tokens, params)
+
+
+def test_a_cut_off_retry_after_a_loop_keeps_the_penalty() -> None:
+    # Given an extraction whose first run loops, whose penalized retry is cut off at max_tokens
+    # and whose run with more room finishes (a stand-in for the engine: what is tested is the
+    # runner's choice of sampling parameters, not generation)
+    from schemas import Envelope, Settings
+    from worker.engine import Generation
+    from worker.runner import run_job
+
+    answers = [
+        ("[1, 1, 1, 1", "repetition", 60),
+        ('{"a": "', "length", 40),
+        ('{"a": "b"}', "stop", 9),
+    ]
+    penalties: list[float] = []
+
+    class Scripted:
+        model_name = "stand-in"
+        adapters: dict[str, Any] = {}
+        plan = None
+
+        def chat_prompt(self, messages: list[dict[str, str]], *_: Any, **__: Any) -> list[int]:
+            return [1] * 20
+
+        def generate(self, prompt: list[int], params: Any, *_: Any, **__: Any) -> Any:
+            penalties.append(params.frequency_penalty)
+            text, reason, tokens = answers[len(penalties) - 1]
+            return Generation(text, reason, 20, tokens, None)
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    job = {"type": "extract", "text": "x", "json_schema": schema, "max_tokens": 40}
+    env = Envelope.model_validate({"job": job, "batch": "b", "enqueued_at": 0})
+    # When it runs
+    result = run_job(env, Scripted(), Settings(_env_file=None), "w")  # type: ignore[arg-type]
+    # Then the run with more room keeps the penalty the loop earned (without it, it starts where
+    # the loop started), and the looped and cut-off runs' tokens count as waste
+    assert penalties == [0.0, 0.5, 0.5]
+    assert result.status == "completed" and result.data == {"a": "b"}, result
+    assert [a.reason for a in result.attempts] == ["loop", "length", "stop"]
+    assert result.usage.wasted_tokens == 60 + 40

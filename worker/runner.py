@@ -482,16 +482,18 @@ def generate(
 ) -> Generation:
     """Generate the job's answer. The engine ends a generation that loops (``loop_detection``);
     the job then runs again with a frequency penalty on its own tokens, at most ``loop_retries``
-    times, every run recorded in ``result.attempts``. Under early stop each run is itself
-    attempt after attempt until one is not aborted. All of them end by ``deadline`` (monotonic;
-    default: the job's timeout from now).
+    times, every run recorded in ``result.attempts``; a job that looped in an earlier call (its
+    cut-off JSON run again with more room) starts with the penalty, or it loops again from the
+    same start. Under early stop each run is itself attempt after attempt until one is not
+    aborted. All of them end by ``deadline`` (monotonic; default: the job's timeout from now).
     ``grammar``: the schema the guided decoding compiles (``structured.generation_schema``).
     ``salt``: the job's tenant, vLLM's ``cache_salt``: a prefix is cached for its tenant only."""
     if deadline is None:
         limit = min(job.timeout_s or settings.job_timeout_s, settings.job_timeout_s)
         deadline = time.monotonic() + limit
     loops = loop_detection(job, settings, engine.plan)
-    penalty = 0.0
+    looped = any(a.reason == "loop" for a in result.attempts)
+    penalty = settings.loop_retry_frequency_penalty if looped else 0.0
     for retry in range(settings.loop_retries + 1):
         key = prefix_key if retry == 0 else None
         gen = _attempts(
