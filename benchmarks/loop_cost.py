@@ -7,7 +7,7 @@ the engine, in raw vLLM: the same prompts with no check, with vLLM's own check a
 
 The check runs in the scheduler, in the engine core's process: the script swaps which function
 the scheduler calls there (``loops.use``, through ``collective_rpc``, which on one GPU runs in
-that process; it first checks with a counting check that the swap reached the scheduler, and
+that process; it first checks that the swapped check is the one the scheduler calls, and
 stops if not). On a CPU host vLLM's worker is a process of its own: there the script runs the
 engine core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), a smoke run only.
 
@@ -16,7 +16,9 @@ Equal work on every side: every request samples (temperature 1, fixed seeds) to 
 from the first token; sampled text almost never repeats a cycle three times, and the script
 exits 1 if the output-token totals differ by more than 1%. Outputs are long enough that every
 pattern size is tried (vLLM's check tries a size only once the output holds ``min_count``
-copies of it). Prints a table and writes loop-cost.json after every round.
+copies of it). Each call of the check is timed in the scheduler's process, so each row also
+gives the check's own microseconds per call, which the device's own swings do not move. Prints
+a table and writes loop-cost.json after every round.
 """
 
 from __future__ import annotations
@@ -62,11 +64,15 @@ def main() -> None:
     cuda = has_cuda()
     if not cuda:  # the scheduler in this process, where `loops.use` reaches it
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        # has_cuda initialised CUDA here, which a forked engine process cannot use; and
+        # collective_rpc sends `_use` and `_timing` by pickle, which vLLM allows only so
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM, SamplingParams
 
     from schemas import Settings
     from worker.runner import loop_detection
-    from worker.vllm_ext import loops
 
     from . import workloads as wl
 
@@ -95,11 +101,17 @@ def main() -> None:
         for c in sizes
     }
 
+    direct = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
     def use(which: str) -> None:
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-            loops.use(which)
+        if direct:
+            _use(None, which)
         else:
-            llm.collective_rpc(loops.use, args=(which,))
+            llm.collective_rpc(_use, args=(which,))
+
+    def timing() -> tuple[int, float]:
+        calls, seconds = _timing(None) if direct else llm.collective_rpc(_timing)[0]
+        return calls, seconds
 
     def params(cycle: int, i: int) -> Any:
         return SamplingParams(
@@ -113,10 +125,9 @@ def main() -> None:
         )
 
     warm = min(64, a.jobs)
-    use("count")  # the swap reaches the scheduler, or nothing here measures the check
+    use("vqueue")  # the swap reaches the scheduler, or nothing here measures the check
     llm.generate(prompts[:warm], [params(sizes[0], i) for i in range(warm)], use_tqdm=False)
-    direct = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-    counted = loops.calls() if direct else sum(llm.collective_rpc(loops.calls))
+    counted, _ = timing()
     if not counted:
         sys.exit("loop_cost: the swapped check was never called: vLLM's worker is not in its "
                  "scheduler's process here (more than one GPU?)")  # fmt: skip
@@ -130,6 +141,7 @@ def main() -> None:
             res = llm.generate(prompts, ps, use_tqdm=False)
             wall = time.perf_counter() - t
             tokens = sum(len(o.outputs[0].token_ids) for o in res)
+            calls, seconds = timing()
             rows.append(
                 {
                     "round": r,
@@ -143,18 +155,25 @@ def main() -> None:
                     "ended_by_the_check": sum(
                         o.outputs[0].finish_reason == "repetition" for o in res
                     ),
+                    # the check's own time in the scheduler, whatever else the device did
+                    "check_calls": calls,
+                    "check_us_per_call": 1e6 * seconds / calls if calls else None,
+                    "check_s_per_1k_tokens": 1e3 * seconds / max(tokens, 1),
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
             meta = {"model": a.model, "engine_start_s": start_s, "swap_checked_calls": counted,
                     "checks": {c: str(k) for c, k in checks.items()}}  # fmt: skip
             (out / "loop-cost.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    print("| round | check | longest cycle | jobs/s | output tok/s | ended by the check |")
-    print("|---|---|---|---|---|---|")
+    print("| round | check | longest cycle | jobs/s | output tok/s | ended by the check | "
+          "check µs per call |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for x in rows:
+        us = x["check_us_per_call"]
         print(
             f"| {x['round']} | {x['check']} | {x['max_cycle_tokens'] or '-'} | "
-            f"{x['jobs_per_s']:.1f} | {x['output_tok_per_s']:,.0f} | {x['ended_by_the_check']} |"
+            f"{x['jobs_per_s']:.1f} | {x['output_tok_per_s']:,.0f} | {x['ended_by_the_check']} | "
+            f"{'-' if us is None else format(us, '.2f')} |"
         )
     off = [x for x in rows if x["check"] == "off"]
     off_t, off_s = sum(x["output_tokens"] for x in off), sum(x["wall_s"] for x in off)
@@ -170,6 +189,41 @@ def main() -> None:
             unequal = True
     if unequal:
         sys.exit(1)
+
+
+_TIMED = [0, 0.0]  # calls of the check the scheduler calls, and the seconds they took
+
+
+def _use(worker: Any, which: str) -> None:
+    """``loops.use(which)`` in the scheduler's process (``collective_rpc`` hands each call its
+    worker; on one GPU that is the engine core's process), the check wrapped in a timer whose
+    count and sum ``_timing`` returns and restarts."""
+    from vllm.v1.core.sched import utils
+
+    from worker.vllm_ext import loops
+
+    utils.check_sequence_repetition = getattr(
+        utils.check_sequence_repetition, "inner", utils.check_sequence_repetition
+    )
+    loops.use(which)
+    check = utils.check_sequence_repetition
+
+    def timed(token_ids: Any, params: Any) -> bool:
+        t = time.perf_counter()
+        try:
+            return check(token_ids, params)
+        finally:
+            _TIMED[0] += 1
+            _TIMED[1] += time.perf_counter() - t
+
+    timed.inner = check  # type: ignore[attr-defined]
+    utils.check_sequence_repetition = timed
+
+
+def _timing(worker: Any) -> tuple[int, float]:
+    calls, seconds = _TIMED
+    _TIMED[:] = [0, 0.0]
+    return int(calls), float(seconds)
 
 
 def check_only(a: argparse.Namespace, out: Path) -> None:
