@@ -361,17 +361,42 @@ def run_cli(
 # free; every other module's tests stay together in one process, which starts its module
 # fixtures once
 SPREAD = {"test_reliability.py"}
+# the engine tests whose engines outlive them (the session's worker, a module's workers) go to
+# one pytest process, in collection order: it holds at most the engines a serial run holds at
+# once (the session's and a module's two), and the other process at most one engine of a
+# test's own beside it, which 24 GiB fits
+ENGINE_GROUP = "engine"
+LASTING_ENGINES = {"worker", "module_procs"}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(hookwrapper=True)  # marks before xdist reads them, checks after
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> Iterator[None]:
     """Each test in one layer: marked ``unit`` or ``engine`` where it says so, else
-    ``integration`` (a Redis, worker processes or the CLI); and outside ``SPREAD``, in its
-    module's xdist group."""
+    ``integration`` (a Redis, worker processes or the CLI); and in one xdist group: the engine
+    tests with lasting engines together (``ENGINE_GROUP``), else its module's outside
+    ``SPREAD``. Under ``--dist loadgroup`` every grouped test's id then carries its group: with
+    a pytest whose ids xdist cannot mark, every test would be spread over both processes with
+    its engines, which 24 GiB does not hold, so the run stops instead."""
     for item in items:
-        if not any(item.get_closest_marker(m) for m in ("unit", "engine")):
+        engine = item.get_closest_marker("engine") is not None
+        if not engine and not item.get_closest_marker("unit"):
             item.add_marker(pytest.mark.integration)
-        if item.path.name not in SPREAD:
+        if engine and LASTING_ENGINES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group(ENGINE_GROUP))
+        elif item.path.name not in SPREAD:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    yield
+    if getattr(config.option, "loadgroup", False):
+        lost = [
+            i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid
+        ]
+        if lost:
+            raise pytest.UsageError(
+                f"xdist did not group {len(lost)} tests (e.g. {lost[0]}): this pytest and "
+                "pytest-xdist do not work together (pyproject.toml pins pytest)"
+            )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -215,6 +215,7 @@ def test_masks_land_on_their_batch_rows(rows: list[int]) -> None:
     assert np.array_equal(torch.isinf(logits).numpy(), allowed == 0)
 
 
+@pytest.mark.engine
 def test_batched_guided_step_gives_the_same_tokens(tmp_path: Path) -> None:
     # Given the same extraction prompts on two real engines: vLLM's guided step, and the plugin's
     # (batched, with grammar reuse)
