@@ -29,10 +29,11 @@ model: $(STAMP)
 demo: setup
 	bash examples/demo.sh
 
-# TEST_JOBS=2: two pytest processes, each module's tests in one of them with its module's
-# workers and servers, test_reliability's spread one by one (tests/conftest.py). Both may run
-# up to three real engines at once: more than 24 GiB holds, so CI runs one process (0)
-TEST_JOBS ?= 0
+# two pytest processes (TEST_JOBS=0: one): the engine tests whose engines outlive them in one,
+# beside them the rest, each module's tests in one process with its module's workers and
+# servers, test_reliability's one by one (tests/conftest.py). At most four real engines run at
+# once, as in 24 GiB on 2 cores
+TEST_JOBS ?= 2
 test: setup
 	$(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup
 
