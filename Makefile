@@ -4,9 +4,13 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 REDIS   ?= redis://127.0.0.1:6379/0
 
-.PHONY: setup redis model demo test test-fast lint clean
+.PHONY: setup deps redis model demo test test-fast lint clean
 
-setup: $(STAMP) redis model
+setup: deps redis
+
+# the Python environment and the embedded model, without touching Redis (.ci/run installs them
+# while apt installs the system tools)
+deps: $(STAMP) model
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
