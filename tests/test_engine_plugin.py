@@ -232,7 +232,7 @@ def test_batched_guided_step_gives_the_same_tokens(tmp_path: Path) -> None:
             "--out",
             str(tmp_path),
             "--jobs",
-            "16",
+            "8",
             "--max-tokens",
             "40",
             "--rounds",
@@ -252,7 +252,7 @@ def test_batched_guided_step_gives_the_same_tokens(tmp_path: Path) -> None:
     # engine ran vLLM's own guided step
     logs = run.stdout + run.stderr
     assert logs.count("guided decoding's matchers and masks run batched") >= 1
-    assert logs.count("requests share compiled grammars") >= 1  # 16 jobs over 4 schemas
+    assert logs.count("requests share compiled grammars") >= 1  # 8 jobs over 4 schemas
     rows, plans = {}, {}
     for variant in ("stock", "parallel"):
         lines = [
@@ -263,7 +263,7 @@ def test_batched_guided_step_gives_the_same_tokens(tmp_path: Path) -> None:
     assert not plans["stock"]["guided_batching"] and not plans["stock"]["grammar_reuse"]
     assert plans["parallel"]["guided_batching"] and plans["parallel"]["grammar_reuse"]
     # and both generated the very same tokens, every one of them allowed by the job's grammar
-    assert rows["stock"]["output_tokens"] > 16 * 10
+    assert rows["stock"]["output_tokens"] > 8 * 10
     assert rows["parallel"]["digest"] == rows["stock"]["digest"]
     assert rows["stock"]["grammar_violations"] == rows["parallel"]["grammar_violations"] == 0
 
