@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,9 @@ def main() -> None:
     ap.add_argument("--cycles", default="",
                     help="longest cycles to check, comma-separated (VQUEUE_LOOP_MAX_CYCLE_TOKENS "
                     "each); default: the setting as it stands")  # fmt: skip
+    ap.add_argument("--checks", default="vllm,vqueue",
+                    help="whose checks run beside no check, comma-separated: vllm, vqueue "
+                    "(vLLM's own check at long cycles takes most of a round)")  # fmt: skip
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,7 +136,10 @@ def main() -> None:
         sys.exit("loop_cost: the swapped check was never called: vLLM's worker is not in its "
                  "scheduler's process here (more than one GPU?)")  # fmt: skip
     rows: list[dict[str, Any]] = []
-    sides = [("off", 0)] + [(f, c) for c in sizes for f in ("vllm", "vqueue")]
+    whose = [f for f in ("vllm", "vqueue") if f in a.checks.split(",")]
+    if not whose:
+        sys.exit("loop_cost: --checks names neither vllm nor vqueue")
+    sides = [("off", 0)] + [(f, c) for c in sizes for f in whose]
     for r in range(a.rounds):
         for check, cycle in sides if r % 2 == 0 else sides[::-1]:
             use(check if cycle else "vllm")
@@ -157,6 +164,7 @@ def main() -> None:
                     ),
                     # the check's own time in the scheduler, whatever else the device did
                     "check_calls": calls,
+                    "check_s": seconds,
                     "check_us_per_call": 1e6 * seconds / calls if calls else None,
                     "check_s_per_1k_tokens": 1e3 * seconds / max(tokens, 1),
                 }
@@ -181,8 +189,14 @@ def main() -> None:
     for check, c in sides[1:]:
         on = [x for x in rows if x["max_cycle_tokens"] == c and x["check"] == check]
         on_t, on_s = sum(x["output_tokens"] for x in on), sum(x["wall_s"] for x in on)
+        paired = [
+            next(o for o in off if o["round"] == x["round"])["wall_s"] / x["wall_s"] for x in on
+        ]
+        share = sum(x["check_s"] for x in on) / on_s
         print(f"{check}'s check, cycles up to {c} tokens: {off_s / on_s:.1%} of the throughput "
-              "without a check (sum of walls)")  # fmt: skip
+              f"without a check (sum of walls), {statistics.median(paired):.1%} (median of "
+              f"rounds, {min(paired):.1%}-{max(paired):.1%}); the check's own time: {share:.2%} "
+              "of the wall")  # fmt: skip
         if abs(on_t - off_t) > 0.01 * max(off_t, 1):
             print(f"not equal work: {on_t} vs {off_t} output tokens ({check}, {c})",
                   file=sys.stderr)  # fmt: skip
