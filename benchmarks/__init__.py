@@ -44,3 +44,12 @@ def _with_entry_point(env: dict[str, str]) -> dict[str, str]:
 def plugin_env() -> dict[str, str]:
     """The environment for a child that builds its engine with ``engine_setup`` itself."""
     return _with_entry_point(dict(os.environ))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

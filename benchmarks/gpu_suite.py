@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 
 from pydantic import TypeAdapter
 
-from benchmarks import plugin_env
+from benchmarks import free_port, plugin_env
 from schemas import Job, Settings
 
 from . import workloads as wl
@@ -283,6 +283,41 @@ def settings_for(a: argparse.Namespace) -> Settings:
     )
 
 
+# vLLM's own Prometheus series (0.26 and 0.32) that say how the engine spent a run: its steps
+# (one histogram observation per step, of the tokens it scheduled) and its preemptions, each of
+# which recomputes a prompt. Equal tokens in more steps, or more recomputed prompts, is more
+# engine work for the same output.
+ENGINE_SERIES = {
+    "vllm:iteration_tokens_total_count": "engine_steps",
+    "vllm:iteration_tokens_total_sum": "engine_tokens",
+    "vllm:num_preemptions_total": "preemptions",
+}
+
+
+def engine_counters(text: str) -> dict[str, float]:
+    """The engine's running totals (``ENGINE_SERIES``) in Prometheus text, summed over engines."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = dict.fromkeys(ENGINE_SERIES.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = ENGINE_SERIES.get(sample.name)
+            if key is not None:
+                out[key] += sample.value
+    return out
+
+
+def engine_work(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """What the engine did between two ``engine_counters`` readings, as row fields."""
+    d = {k: after[k] - before[k] for k in after}
+    steps = d["engine_steps"]
+    return {
+        "engine_steps": int(steps),
+        "preemptions": int(d["preemptions"]),
+        "tokens_per_step": d["engine_tokens"] / steps if steps else None,
+    }
+
+
 def row(
     workload: str,
     system: str,
@@ -314,15 +349,17 @@ def row(
 
 def vqueue_row(
     client: Any, name: str, jobs: list[dict[str, Any]], rnd: int, timeout: float,
-    system: str = "vqueue",
+    system: str = "vqueue", metrics_url: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """One workload through a worker end to end: the clock runs from the first submit to the
-    last result read."""
+    last result read. With ``metrics_url`` (the worker's /metrics), what its engine did."""
+    before = _scrape(metrics_url)
     t, t_wall0 = time.perf_counter(), time.time()
     batch = client.submit_many(jobs)
     submit_s = time.perf_counter() - t
     res = list(batch.results(timeout=timeout))
     wall = time.perf_counter() - t
+    after = _scrape(metrics_url)
     done = [x for x in res if x.status == "completed"]
     ttft = [
         x.timings.first_token_at - x.timings.enqueued_at for x in res if x.timings.first_token_at
@@ -343,8 +380,22 @@ def vqueue_row(
         retried=sum(1 for x in res if x.usage.wasted_tokens),
         errors=sorted({x.error.type for x in res if x.error}),
         cached_tokens=sum(x.usage.cached_tokens for x in res),
+        **(engine_work(before, after) if before and after else {}),
         **parts,
     )
+
+
+def _scrape(url: str | None) -> dict[str, float] | None:
+    """``engine_counters`` from a worker's /metrics; None without a url or when it fails."""
+    if url is None:
+        return None
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return engine_counters(resp.read().decode())
+    except OSError:
+        return None
 
 
 # ---------------------------------------------------------------------- the raw engines
@@ -383,6 +434,14 @@ class RawEngines:
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    @staticmethod
+    def _counters() -> dict[str, float]:
+        """``engine_counters`` of the AsyncLLM here (its stat logger writes this process's
+        Prometheus registry; the offline LLM keeps no stats)."""
+        from prometheus_client import REGISTRY, generate_latest
+
+        return engine_counters(generate_latest(REGISTRY).decode())
 
     async def _build_async(self, kwargs: dict[str, Any]) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -497,9 +556,11 @@ class RawEngines:
         async def everything() -> list[tuple[int, int, Stamps, int]]:
             return await asyncio.gather(*(one(j, ids, n) for j, _, ids, n in prep))
 
+        before = self._counters()
         t, t0 = time.perf_counter(), time.time()
         res = self._call(everything())
         wall = time.perf_counter() - t
+        work = engine_work(before, self._counters())
         stamps = [r[2] for r in res]
         return row(
             name,
@@ -512,6 +573,7 @@ class RawEngines:
             [x.ttft_first - t0 for x in stamps if x.ttft_first],
             retried=sum(r[1] for r in res),
             cached_tokens=sum(r[3] for r in res),
+            **work,
             **phases([x._replace(enqueued=t0, started=t0) for x in stamps], t0),
         )
 
@@ -594,6 +656,9 @@ class Vqueue:
         )
         if a.kv_cache_bytes:
             env["VQUEUE_KV_CACHE_MEMORY_BYTES"] = str(a.kv_cache_bytes)
+        port = free_port()
+        env["VQUEUE_METRICS_PORT"] = str(port)
+        self.metrics_url = f"http://127.0.0.1:{port}/metrics"
         w = own_worker("bench", a.model, a.redis, Path(a.out) / "vqueue-worker.log",
                        "-l", "WARNING", **env)  # fmt: skip
         self.proc, self.log, self.start_s, self.client = w.proc, w.log, w.start_s, w.client
@@ -604,7 +669,7 @@ class Vqueue:
     ) -> dict[str, Any]:
         if system == "vqueue no-monitor":
             jobs = [{**j, "early_stop": False} for j in jobs]
-        return vqueue_row(self.client, name, jobs, rnd, self.a.timeout, system)
+        return vqueue_row(self.client, name, jobs, rnd, self.a.timeout, system, self.metrics_url)
 
     def options_check(self) -> dict[str, Any]:
         """The chat options whose answer reads more of vLLM's output than text and token ids
@@ -737,6 +802,11 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
                     if r.get("cached_tokens") is not None and r["prompt_tokens"]
                 ),
                 "power_w": _median(r.get("power_w_mean") for r in rs),
+                # how the engine spent the run (ENGINE_SERIES): equal tokens in more steps,
+                # or prompts recomputed after preemption, is more engine work
+                "engine_steps": _median(r.get("engine_steps") for r in rs),
+                "tokens_per_step": _median(r.get("tokens_per_step") for r in rs),
+                "preemptions": _median(r.get("preemptions") for r in rs),
             }
             if s in QUEUED and any("ratio_vs_raw" in r for r in rs):
                 summary["ratio_vs_raw"] = statistics.median(

@@ -24,18 +24,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from . import free_port
 from . import workloads as wl
 from .gpu_suite import launch_worker, stop, worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:
@@ -120,7 +113,7 @@ def main() -> None:
 
 def start_serve(env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], int]:
     """A ``vqueue serve`` on a free port with ``env``, its output in ``log``."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "producer.cli", "serve", "--port", str(port)],
         cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,

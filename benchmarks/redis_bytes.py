@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,11 +26,7 @@ import redis
 from producer import Client
 from schemas import JobResult, Settings, Timings, Usage
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from . import free_port
 
 
 def _used(r: redis.Redis) -> int:
@@ -45,7 +40,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="vq-redis-bytes-"))
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         ["redis-server", "--port", str(port), "--save", "", "--dir", str(workdir)],
         stdout=subprocess.DEVNULL,
