@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import itertools
 import logging
@@ -549,6 +550,10 @@ class Frontend:
             self._read(self.main)
         finally:
             try:
+                quiet = _stop_output_handler(self.engine)
+                done = asyncio.run_coroutine_threadsafe(quiet, self.loop)
+                with contextlib.suppress(Exception):  # a wedged loop: shut down as vLLM would
+                    done.result(timeout=5)
                 self.engine.shutdown()
             finally:
                 self.loop.call_soon_threadsafe(self.loop.stop)
@@ -708,6 +713,21 @@ class Frontend:
             token_ids=None if params.detokenize else list(choice.token_ids),
             logprobs=_token_logprobs(choice, params.logprobs) if rule is None else None,
         )
+
+
+async def _stop_output_handler(engine: Any) -> None:
+    """Stop AsyncLLM's output handler before its engine core goes. ``AsyncLLM.shutdown`` (vLLM
+    0.26 and 0.32, read in their source) stops the core first and cancels the handler after,
+    and a handler that sees the core go in between logs "AsyncLLM output_handler failed" with
+    an ``EngineDeadError`` traceback on every clean stop (vllm-project/vllm#48745; the fix,
+    #49000, is open). Cancelling it first only reorders what shutdown does anyway; a vLLM
+    without the attribute is left to its own order."""
+    handler = getattr(engine, "output_handler", None)
+    if handler is None or handler.done():
+        return
+    handler.cancel()
+    with contextlib.suppress(BaseException):  # its cancellation, or the error it ended with
+        await handler
 
 
 def _exposition() -> str:
