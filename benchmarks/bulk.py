@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,17 +41,11 @@ from typing import Any
 import psutil
 import redis
 
-from benchmarks import plugin_env
+from benchmarks import free_port, plugin_env
 from protocol.store import BatchStore
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "bulk"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rss(proc: subprocess.Popen[Any] | None) -> int:
@@ -80,7 +73,7 @@ class Run:
 
     def __init__(self, a: argparse.Namespace, path: str, src: Path, work: Path) -> None:
         self.a, self.path, self.src, self.work = a, path, src, work
-        self.port = _port()
+        self.port = free_port()
         self.redis_proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no",
              "--dir", str(work)],
@@ -135,7 +128,7 @@ class Run:
             time.sleep(0.2)
 
     def start_server(self) -> None:
-        self.api_port = _port()
+        self.api_port = free_port()
         self.server = self.popen(["serve", "--port", str(self.api_port)], "serve.log")
         for _ in range(300):
             try:
