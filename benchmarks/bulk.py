@@ -353,6 +353,7 @@ def main() -> None:
               f"{p['redis']:>9.0f} {p['feeder']:>10.0f} {p['server']:>10.0f} "
               f"{p['worker']:>10.0f} {st:>22} {'yes' if ok else 'NO':>5}")  # fmt: skip
     dest = Path(a.out) / f"bulk-{a.jobs}-{time.strftime('%Y-%m-%d')}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {dest}", file=sys.stderr)
     if any(r["missing"] or r["jobs_with_two_lines"] for r in rows):
