@@ -717,9 +717,9 @@ class Frontend:
 
 async def _stop_output_handler(engine: Any) -> None:
     """Stop AsyncLLM's output handler before its engine core goes. ``AsyncLLM.shutdown`` (vLLM
-    0.26 and 0.32, read in their source) stops the core first and cancels the handler after,
-    and a handler that sees the core go in between logs "AsyncLLM output_handler failed" with
-    an ``EngineDeadError`` traceback on every clean stop (vllm-project/vllm#48745; the fix,
+    0.26 and 0.32, read in their source) stops the core first and cancels the handler after;
+    a handler that sees the core go in between (a race) logs "AsyncLLM output_handler failed"
+    with an ``EngineDeadError`` traceback on a clean stop (vllm-project/vllm#48745; the fix,
     #49000, is open). Cancelling it first only reorders what shutdown does anyway; a vLLM
     without the attribute is left to its own order."""
     handler = getattr(engine, "output_handler", None)
