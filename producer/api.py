@@ -54,6 +54,7 @@ from schemas.api import (
 )
 from schemas.settings import cache_dir
 
+from .client import Gone
 from .inputs import parse_lines, read_lines
 
 log = logging.getLogger(__name__)
@@ -417,10 +418,6 @@ class TooLarge(ValueError):
     pass
 
 
-class Gone(Exception):
-    """The batch left Redis while its input was being submitted (deleted, FLUSHALL)."""
-
-
 class Feeder:
     """Runs ``Batches.submit`` on a few threads, fairly: each tenant's batches wait in a line of
     their own, the threads serve the lines in turn, and one tenant runs at most ``per_tenant``
@@ -559,7 +556,7 @@ class Batches:
         from .client import Client
 
         bid, s = b.id, self.settings
-        client = Client(s, tenant=tenant, on_limit="wait")
+        client = Client(s, stop=gone, tenant=tenant, on_limit="wait")
         want = ENDPOINT_FORMAT[b.endpoint]
         if b.status == "in_progress":  # a feed resumed: its input was checked and counted
             if self._canary(client, b, fh, gone):

@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -77,6 +78,11 @@ class SubmissionStopped(VQueueError):
     def __init__(self, batch: str, sent: int, reason: str) -> None:
         super().__init__(f"batch {batch}: {reason}")
         self.batch, self.sent, self.reason = batch, sent, reason
+
+
+class Gone(VQueueError):
+    """The batch left Redis while it was fed (deleted, FLUSHALL): the feeder set the client's
+    ``stop`` event, and a feed waiting for room stops instead of waiting on."""
 
 
 def feed_stopped(fed_at: float | None, fed_by: str | None) -> bool:
@@ -283,11 +289,16 @@ class Client:
         self,
         settings: Settings | None = None,
         on_wait: Callable[[str], None] | None = None,
+        stop: threading.Event | None = None,
         **overrides: Any,
     ) -> None:
         self.settings = (settings or get_settings()).model_copy(update=overrides)
         # told why submission is pausing (rate limit, full queue); the CLI prints it
         self.on_wait = on_wait
+        # set by whoever feeds through this client when the feed must end: every wait for
+        # room (rate, depth, window) can last as long as the queue stays full, so each one
+        # looks at it, and ends with ``Gone``
+        self._stop = stop or threading.Event()
         self._told = ""
         s = self.settings
         self.store = BatchStore.from_settings(s)
@@ -568,7 +579,7 @@ class Client:
             if self.on_wait and why != self._told:
                 self.on_wait(f"feeding: {why}")
             self._told = why
-            time.sleep(0.2)
+            self._sleep(0.2)
 
     def _pause(self, why: str, seconds: float) -> None:
         if self.settings.on_limit == "refuse":
@@ -576,7 +587,11 @@ class Client:
         if self.on_wait and why != self._told:  # once per reason, not once per poll
             self.on_wait(f"waiting: {why}")
         self._told = why
-        time.sleep(min(max(seconds, 0.01), 5.0))
+        self._sleep(min(max(seconds, 0.01), 5.0))
+
+    def _sleep(self, seconds: float) -> None:
+        if self._stop.wait(seconds):
+            raise Gone("the batch left Redis while it was fed")
 
     def requeue_dead_letter(self, task_id: str) -> bool:
         """Run a dead-lettered job again: its failed result is withdrawn, its envelope sent to

@@ -718,7 +718,7 @@ def _serve(procs: Procs, url: str, files: Path, **env: str) -> tuple[Any, str, P
     port = free_port()
     settings = worker_env(
         "feed", VQUEUE_BROKER_URL=url, VQUEUE_FILES_DIR=str(files), VQUEUE_API_POLL_S="0.2",
-        VQUEUE_API_FEED_LEASE_S="3", **env,
+        **{"VQUEUE_API_FEED_LEASE_S": "3", **env},
     )  # fmt: skip
     log = files.parent / f"serve-{port}.log"
     with open(log, "w") as out:
@@ -788,11 +788,15 @@ def test_a_feed_stops_when_its_batch_leaves_redis(procs: Procs, tmp_path: Path) 
     import openai
 
     # Given a server feeding a batch with no worker, so that it waits for room in the queue
-    # (its first chunk of 32 queued, the next 50 not admitted under a depth of 50)
+    # (its first chunk of 32 queued, the next 50 not admitted under a depth of 50); its lease
+    # is renewed every 3 s, so it learns of a flush mostly while it waits for room again
     server: RedisServer = procs.redis(tmp_path / "redis", aof=False)
     r = redis.Redis.from_url(server.url, decode_responses=True)
     key = run_cli("keys", "create", "f", VQUEUE_BROKER_URL=server.url).stdout.decode().strip()
-    _, url, log = _serve(procs, server.url, tmp_path / "files", VQUEUE_MAX_QUEUE_DEPTH="50")
+    _, url, log = _serve(
+        procs, server.url, tmp_path / "files", VQUEUE_MAX_QUEUE_DEPTH="50",
+        VQUEUE_API_FEED_LEASE_S="9",
+    )  # fmt: skip
     sdk = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
     path = tmp_path / "big.jsonl"
     path.write_text("".join(json.dumps({"type": "summarize", "text": "x"}) + "\n"
@@ -803,7 +807,8 @@ def test_a_feed_stops_when_its_batch_leaves_redis(procs: Procs, tmp_path: Path) 
     wait_for(lambda: r.llen("feed:9") == 32, 60, "the feed's first chunk in the queue")
     # When Redis is flushed under it, which also makes room in the queue
     r.flushall()
-    # Then the feed sees its batch gone and stops, having queued at most the chunk it held
+    # Then the feed sees its batch gone and stops, having queued at most the chunk it held,
+    # whether it learns of it between two lines or while it waits for room
     wait_for(lambda: "left Redis while it was fed" in log.read_text(), 30, "the feed to stop")
     assert r.llen("feed:9") <= 50
 
