@@ -2,9 +2,12 @@
 
 Starts a private ``redis-server``, submits N summarize jobs through ``Client.submit_many`` (the
 producer's real path: the batch hash, the done map, Celery's message in its list), reads
-``used_memory``, then takes the messages off their list as a worker would and records one
-result per job through ``BatchStore.record`` (the worker's real script: the results stream,
-the done map, the counters), and reads it again. Nothing else runs against that Redis.
+``used_memory``, then takes the messages off their list as a worker would, starts each job
+(``BatchStore.start``: its delivery count) and records one result per job through
+``BatchStore.record`` (the worker's real script: the results stream, the done map, the
+counters), and reads it again; last, a taking reader removes every result from the stream
+(``BatchStore.take``), and what stays is the residue a finished job leaves until the TTL.
+Nothing else runs against that Redis.
 
     python -m benchmarks.redis_bytes [--jobs 20000] [--text-chars 200] [--out FILE]
 
@@ -54,7 +57,10 @@ def main() -> None:
                 break
             except redis.ConnectionError:
                 time.sleep(0.05)
-        s = Settings(_env_file=None, broker_url=url, queue="bytes", prefix_routing=False)
+        s = Settings(
+            _env_file=None, broker_url=url, queue="bytes", prefix_routing=False,
+            feed_window=a.jobs,  # no worker drains it: the whole batch is queued at once
+        )  # fmt: skip
         client = Client(s)
         text = "x" * a.text_chars
         version = str(r.info("server")["redis_version"])
@@ -67,6 +73,7 @@ def main() -> None:
             pass
         taken = _used(r)
         for i in range(a.jobs):
+            client.store.start(batch.id, f"j{i:07d}")
             client.store.record(
                 JobResult(
                     id=f"j{i:07d}", batch=batch.id, type="summarize", status="completed",
@@ -76,6 +83,9 @@ def main() -> None:
                 )
             )  # fmt: skip
         recorded = _used(r)
+        last = r.xrevrange(client.store.key(batch.id, "results"), count=1)[0][0].decode()
+        client.store.take(batch.id, last)
+        residue = _used(r)
     finally:
         server.kill()
         server.wait()
@@ -90,13 +100,15 @@ def main() -> None:
         "result_bytes": round(per_result),
         "result_bytes_beyond_text": round(per_result - a.text_chars),
         "left_after_taking_bytes_per_job": round((taken - before) / a.jobs),
+        "residue_after_results_taken_bytes_per_job": round((residue - before) / a.jobs),
         "redis_version": version,
         "command": f"python -m benchmarks.redis_bytes --jobs {a.jobs} --text-chars {a.text_chars}",
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     print(f"{'what':<40} {'bytes':>8}")
     for k in ("queued_job_bytes", "queued_job_bytes_beyond_text", "left_after_taking_bytes_per_job",
-              "result_bytes", "result_bytes_beyond_text"):  # fmt: skip
+              "result_bytes", "result_bytes_beyond_text",
+              "residue_after_results_taken_bytes_per_job"):  # fmt: skip
         print(f"{k:<40} {rows[k]:>8}")
     out = a.out or Path(__file__).parent / "results" / time.strftime("redis-bytes-%Y-%m-%d.json")
     out.write_text(json.dumps(rows, indent=2) + "\n")

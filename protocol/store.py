@@ -6,7 +6,8 @@ Per batch ``b`` (keys under the settings' ``key_prefix``):
                              (canary: its report; paused, feed_options: a failed canary's)
 - ``{p}:batch:{b}:done``     hash: job id -> "" once enqueued, its stream entry id once done
 - ``{p}:batch:{b}:results``  stream: one entry per finished job, ``result`` = JobResult JSON
-- ``{p}:batch:{b}:attempts`` hash: job id -> deliveries started (a poison job is dead-lettered)
+- ``{p}:batch:{b}:attempts`` hash: job id -> deliveries started, until its result is recorded
+                             (a poison job is dead-lettered)
 - ``{p}:dlq:entry:{task}``   string: one dead letter (task id ``batch:job``), envelope included;
                              expires with the results (``result_ttl_s``)
 - ``{p}:dlq:index``          sorted set: task ids by the time they died (pruned as they expire)
@@ -37,9 +38,12 @@ from schemas import BatchStatus, CanaryReport, JobError, JobResult, Settings, Ti
 from schemas.jobs import BATCH_PATTERN
 from schemas.templates import Template
 
-# KEYS: batch hash, done hash, results stream. ARGV: job id, result json, status field, ttl,
-# now, prompt tokens, prompt tokens served from the prefix cache, completion tokens, the model
-# that answered ("" for none).
+# KEYS: batch hash, done hash, results stream, attempts hash. ARGV: job id, result json, status
+# field, ttl, now, prompt tokens, prompt tokens served from the prefix cache, completion tokens,
+# the model that answered ("" for none). A recorded job's delivery count goes (the result
+# carries it): the done mark alone stops a redelivery, so a finished job leaves only that mark
+# behind. pcall: a counter that cannot go (a key of the wrong type) must not fail the record
+# after its writes.
 _RECORD = """
 local done = redis.call('HGET', KEYS[2], ARGV[1])
 if done and done ~= '' then return 0 end
@@ -51,6 +55,7 @@ redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[7])
 redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[8])
 if ARGV[9] ~= '' then redis.call('HSET', KEYS[1], 'model', ARGV[9]) end
 redis.call('HSET', KEYS[1], 'updated_at', ARGV[5])
+redis.pcall('HDEL', KEYS[4], ARGV[1])
 for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
 return 1
 """
@@ -460,6 +465,7 @@ class BatchStore:
             self.key(result.batch),
             self.key(result.batch, "done"),
             self.key(result.batch, "results"),
+            self.key(result.batch, "attempts"),
         ]
         field = "completed" if result.status == "completed" else "failed"
         args = [result.id, result.model_dump_json(), field, self.ttl_s, time.time()]

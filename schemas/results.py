@@ -205,6 +205,9 @@ class JobResult(BaseModel):
     usage: Usage = Field(default_factory=Usage)
     timings: Timings
     worker: str | None = None
+    # how many times a worker took the job: more than one when a worker died holding it, or
+    # Redis failed before its result was recorded (each counts toward max_deliveries)
+    deliveries: int = 1
     error: JobError | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     format: Format = "vqueue"

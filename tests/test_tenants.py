@@ -780,8 +780,8 @@ def test_a_feed_resumes_where_it_stopped_when_its_server_dies(procs: Procs, tmp_
     ids = Counter(json.loads(x)["custom_id"] for x in lines)
     assert len(ids) == n and max(ids.values()) == 1, ids.most_common(3)
 
-    deliveries = Counter(r.hvals(f"{KEY_PREFIX}:batch:{bid}:attempts"))
-    assert deliveries == {"1": n}, deliveries
+    # and no job was delivered again after its result (its delivery count goes with the result)
+    assert not r.exists(f"{KEY_PREFIX}:batch:{bid}:attempts")
 
 
 def test_a_feed_stops_when_its_batch_leaves_redis(procs: Procs, tmp_path: Path) -> None:

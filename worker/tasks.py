@@ -179,6 +179,7 @@ def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
             return {"id": env.job.id, "status": "forwarded", "to": home}
         else:
             result = _generate(task, env, payload, worker)
+        result.deliveries = attempts
     if while_full("record", lambda: store().record(result)):
         metrics.observe(result)
     else:
@@ -289,6 +290,7 @@ def _dead_letter(
         status="failed",
         timings=Timings(enqueued_at=env.enqueued_at),
         worker=worker,
+        deliveries=attempts,
         metadata=env.job.metadata,
         format=env.format,
         prefix_key=env.prefix_key,
