@@ -239,13 +239,16 @@ class Run:
         self.status_latency("100%")
         self.stop.set()
         ids: dict[str, int] = {}
+        redelivered = 0  # jobs a worker took more than once (vqueue lines say: ``deliveries``)
         with open(out) as fh:
             for line in fh:
                 row = json.loads(line)
                 key = row.get("custom_id") or row.get("id")
                 ids[key] = ids.get(key, 0) + 1
+                redelivered += int(row.get("deliveries", 1)) > 1
         twice = sum(1 for v in ids.values() if v > 1)
-        deliveries = self.r.hvals(self.store.key(self.batch, "attempts"))
+        # a delivery count that outlives its result: a job delivered again after it was done
+        after_result = int(self.r.hlen(self.store.key(self.batch, "attempts")))
         return {
             "path": self.path,
             "jobs": n,
@@ -257,7 +260,8 @@ class Run:
             "lines_out": sum(ids.values()),
             "jobs_with_two_lines": twice,
             "missing": n - len(ids),
-            "delivered_more_than_once": sum(1 for d in deliveries if int(d) > 1),
+            "delivered_more_than_once": redelivered,
+            "delivered_after_result": after_result,
             "peak_mb": {
                 k.removesuffix("_rss").removesuffix("_used_memory"): round(v / 2**20, 1)
                 for k, v in self.peak.items()

@@ -7,6 +7,9 @@
 # SCALE multiplies every workload's job count, SCALE_OF one's (prefix=2,long32k=1).
 # WORKLOADS runs some of them (one call's 600 s do not hold all five at full size; merge the
 # calls' suite.json with `python -m benchmarks.gpu_suite --merge A B --out DIR`).
+# KV_GIB sizes each 7B engine's KV cache (20): raw vLLM and the worker both stay loaded, about
+# 15 GiB of weights and 4 GiB of graphs and activations each beside it, so an 80 GB card needs
+# KV_GIB=12.
 # SYSTEMS picks a subset (LLM.chat, the slower raw path on every workload, costs a minute of
 # engine start and a third of each round): SYSTEMS="raw AsyncLLM,vqueue".
 set -u
@@ -23,7 +26,7 @@ small)
 7b)
   python3 -m benchmarks.shapes qwen2.5-7b /tmp/models/qwen7b --tokenizer /tmp/models/qwen25-tokenizer
   python3 -m benchmarks.gpu_suite --model /tmp/models/qwen7b --load-format dummy \
-    --workloads mixed,long --max-model-len 10240 --kv-cache-bytes $((20 * 1024 ** 3)) \
+    --workloads mixed,long --max-model-len 10240 --kv-cache-bytes $((${KV_GIB:-20} * 1024 ** 3)) \
     --out "$OUT/suite-7b" --rounds 3 --scale "${SCALE:-0.3}" --budget-s "${BUDGET:-480}" \
     --systems "$SYSTEMS" ;;
 *) echo "usage: $0 small|7b" >&2; exit 2 ;;

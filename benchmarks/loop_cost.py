@@ -205,13 +205,14 @@ def main() -> None:
         sys.exit(1)
 
 
-_TIMED = [0, 0.0]  # calls of the check the scheduler calls, and the seconds they took
-
-
 def _use(worker: Any, which: str) -> None:
     """``loops.use(which)`` in the scheduler's process (``collective_rpc`` hands each call its
     worker; on one GPU that is the engine core's process), the check wrapped in a timer whose
-    count and sum ``_timing`` returns and restarts."""
+    count and sum ``_timing`` returns and restarts.
+
+    The count lives on vLLM's ``utils`` module, not here: run as ``python -m``, this module is
+    ``__main__``, whose functions ``collective_rpc`` pickles by value, globals and all, so a
+    counter here would be a fresh copy in every call."""
     from vllm.v1.core.sched import utils
 
     from worker.vllm_ext import loops
@@ -221,22 +222,27 @@ def _use(worker: Any, which: str) -> None:
     )
     loops.use(which)
     check = utils.check_sequence_repetition
+    timed_calls = utils.__dict__.setdefault("vqueue_timed", [0, 0.0])
 
     def timed(token_ids: Any, params: Any) -> bool:
         t = time.perf_counter()
         try:
             return check(token_ids, params)
         finally:
-            _TIMED[0] += 1
-            _TIMED[1] += time.perf_counter() - t
+            timed_calls[0] += 1
+            timed_calls[1] += time.perf_counter() - t
 
     timed.inner = check  # type: ignore[attr-defined]
     utils.check_sequence_repetition = timed
 
 
 def _timing(worker: Any) -> tuple[int, float]:
-    calls, seconds = _TIMED
-    _TIMED[:] = [0, 0.0]
+    """(calls of the check the scheduler made, seconds they took) since the last ask."""
+    from vllm.v1.core.sched import utils
+
+    timed_calls = utils.__dict__.setdefault("vqueue_timed", [0, 0.0])
+    calls, seconds = timed_calls
+    timed_calls[:] = [0, 0.0]
     return int(calls), float(seconds)
 
 
