@@ -383,6 +383,15 @@ def submit(
                 fail(str(exc), RET_STOPPED)
             raise exc
 
+        def resend() -> None:  # the input read again from the top
+            with open(file, "rb") as again:
+                jobs = (p.job for p in parse_lines(read_lines(again),
+                        default_priority=priority, default_system=system)
+                        if p.error is None)  # fmt: skip
+                sent = client.resend(jobs, batch)
+            _say(f"batch {batch}: {sent} job(s) were lost on the way (a worker "
+                 "killed as it took them); sent again")  # fmt: skip
+
         feeder = threading.Thread(target=feed, name="vqueue-feed", daemon=True)
         feeder.start()
         try:
@@ -393,15 +402,6 @@ def submit(
                     if not as_json:
                         click.echo(batch)
                         sys.stdout.flush()
-
-                    def resend() -> None:  # the input read again from the top
-                        with open(file, "rb") as again:
-                            jobs = (p.job for p in parse_lines(read_lines(again),
-                                    default_priority=priority, default_system=system)
-                                    if p.error is None)  # fmt: skip
-                            sent = client.resend(jobs, batch)
-                        _say(f"batch {batch}: {sent} job(s) were lost on the way (a worker "
-                             "killed as it took them); sent again")  # fmt: skip
 
                     st = _follow(
                         client, batch, out_file, errors_out, quiet, timeout, take, feeder,
@@ -438,6 +438,11 @@ def submit(
             if handle.skipped > ran_canary:
                 skipped = handle.skipped - ran_canary
                 _say(f"{skipped} job(s) skipped: their ids already have results in batch {batch}")
+            if handle.queued_before:
+                _say(f"{handle.queued_before} job(s) not sent again: they are queued or running "
+                     f"in batch {batch} already")  # fmt: skip
+                if source and client.lost(batch):  # unless the batch has gone quiet without them
+                    resend()
             good -= handle.skipped
             canary_note = f" (and {ran_canary} in its canary)" if ran_canary else ""
             click.echo(

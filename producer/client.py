@@ -218,8 +218,9 @@ class Batch:
         self.client = client
         self.id = batch_id
         self.last_entry = "0-0"  # the stream entry of the last result read; resume from it
-        # submit_many: jobs not sent because their id already had a result in this batch
-        self.skipped = 0
+        # submit_many: jobs not sent because their id already had a result in this batch, and
+        # because it was queued in it already
+        self.skipped = self.queued_before = 0
 
     def __repr__(self) -> str:
         return f"Batch({self.id!r})"
@@ -339,16 +340,17 @@ class Client:
         one, before anything of that chunk is sent). ``seal=False`` leaves the batch open for
         more ``submit_many`` calls with the same id; ``seal_batch`` closes it. An id that already
         has a result in the batch is skipped, unless ``force``: then its result is withdrawn and
-        it runs again. ``position``: how many of the input's jobs came before ``jobs``; given,
-        the batch records with each chunk how many are sent (``BatchStore.fed_position``), so a
-        feed whose process dies resumes where it stopped.
+        it runs again; one queued in it already is not sent again (``Batch.queued_before``;
+        ``_publish`` says when it is). ``position``: how many of the input's jobs came before
+        ``jobs``; given, the batch records with each chunk how many are sent
+        (``BatchStore.fed_position``), so a feed whose process dies resumes where it stopped.
         """
         batch_id = batch or new_batch_id()
         self.store.create(batch_id, "vqueue", source, queue=self.settings.queue)
         if position is not None:
             self.store.feed_start(batch_id, f"{socket.gethostname()}:{os.getpid()}")
         chunk: list[Envelope] = []
-        size = skipped = 0
+        size = skipped = queued_before = 0
         # a chunk never outgrows the queue-depth limit, or it could never be admitted; chunks
         # grow from PUBLISH_FIRST to PUBLISH_CHUNK, doubling
         cap = min(PUBLISH_CHUNK, self.settings.max_queue_depth or PUBLISH_CHUNK)
@@ -362,7 +364,8 @@ class Client:
                 size += len(env.wire()) + 1024  # the envelope, and Celery's headers around it
                 if len(chunk) >= chunk_jobs or size >= PUBLISH_CHUNK_BYTES:
                     fed = None if position is None else position + sent + len(chunk)
-                    skipped += self._publish(chunk, batch_id, force, fed)
+                    done, queued = self._publish(chunk, batch_id, force, fed)
+                    skipped, queued_before = skipped + done, queued_before + queued
                     sent += len(chunk)
                     if on_progress:
                         on_progress(len(chunk))
@@ -370,7 +373,8 @@ class Client:
                     chunk_jobs = min(2 * chunk_jobs, cap)
             if chunk:
                 fed = None if position is None else position + sent + len(chunk)
-                skipped += self._publish(chunk, batch_id, force, fed)
+                done, queued = self._publish(chunk, batch_id, force, fed)
+                skipped, queued_before = skipped + done, queued_before + queued
                 sent += len(chunk)
                 if on_progress:
                     on_progress(len(chunk))
@@ -379,7 +383,7 @@ class Client:
         if seal:
             self.store.seal(batch_id, fed_all=True)
         b = Batch(self, batch_id)
-        b.skipped = skipped
+        b.skipped, b.queued_before = skipped, queued_before
         return b
 
     def lost(self, batch_id: str) -> bool:
@@ -415,7 +419,7 @@ class Client:
                 )
                 todo = [e for e, d in zip(chunk, done, strict=True) if d == ""]
                 if todo:
-                    self._publish(todo, batch_id)
+                    self._publish(todo, batch_id, again=True)
                     sent += len(todo)
                 chunk = []
         return sent
@@ -475,14 +479,23 @@ class Client:
         return True
 
     def _publish(
-        self, envelopes: list[Envelope], batch_id: str, force: bool = False, fed: int | None = None
-    ) -> int:
+        self,
+        envelopes: list[Envelope],
+        batch_id: str,
+        force: bool = False,
+        fed: int | None = None,
+        again: bool = False,
+    ) -> tuple[int, int]:
         """Claim, then send, one chunk (a round trip each); returns how many were skipped
-        because their id already has a result in this batch.
+        because their id already has a result in this batch, and how many because it is
+        queued already.
 
         Claiming first means a fast worker can never finish more jobs than ``total`` says, and a
-        re-submitted id is counted once. An id enqueued before but not finished is sent again
-        (the earlier message may be gone with a crashed producer); the worker runs it once.
+        re-submitted id is counted once. Where queues and batches share one Redis, claim and
+        push are one step, so an id claimed before and not finished is queued (or running)
+        already and is not sent again unless ``again`` (or ``force``) says its message is gone.
+        With a broker of its own the send follows the claim, and may have died with its
+        producer: such an id is sent again, and the worker runs it once.
         """
         from protocol.wire import task_message
 
@@ -495,14 +508,14 @@ class Client:
         if self.broker is self.store.r:  # queues and batches in one Redis: one atomic step
             routed = self._route(envelopes)
             jobs = [(e.job.id, *task_message(e, queue)) for queue, group in routed for e in group]
-            flags = self.store.claim_send(batch_id, jobs, fed)
-            return flags.count(-1)
+            flags = self.store.claim_send(batch_id, jobs, fed, again or force)
+            return flags.count(-1), 0 if again or force else flags.count(0)
         flags = self.store.claim(batch_id, [e.job.id for e in envelopes])
         todo = [e for e, f in zip(envelopes, flags, strict=True) if f >= 0]
         self._send(todo)
         if fed is not None:  # after the send: a feed that dies between resends, never skips
             self.store.r.hset(self.store.key(batch_id), mapping={"fed": fed, "fed_at": time.time()})
-        return len(envelopes) - len(todo)
+        return len(envelopes) - len(todo), 0
 
     def _route(self, envelopes: list[Envelope]) -> list[tuple[str, list[Envelope]]]:
         """Urgent jobs to the urgent queue, which no worker's full share of bulk jobs blocks;

@@ -81,23 +81,29 @@ return flags
 """
 
 # KEYS: batch hash, done hash, then the queue lists. ARGV: ttl, the feed's position after this
-# chunk ("" for none), the time, then per job: its id, the index in KEYS of its list, its
-# message. Claims
-# each id as _CLAIM does and pushes the message of each not yet done, in one step. Redis (6 and
-# 7 alike) refuses a script's write for memory only until its first write has run, and the first
-# command here is a write: out of memory, the chunk is refused before anything is written, else
-# it runs whole. So a chunk is never counted without its messages in the queue, nor its position
-# moved.
+# chunk ("" for none), the time, "1" to push again ids claimed before and not done ("" not to),
+# then per job: its id, the index in KEYS of its list, its message. Claims each id as _CLAIM
+# does and pushes the message of each new one, in one step. An id claimed before and not done
+# had its message pushed by the script that claimed it, so it is in a queue or with a worker
+# already: pushing it again would only run it twice at once. It goes again when the caller
+# knows that message is gone (a forced re-run withdrew its result; a lost job is resent).
+# Redis (6 and 7 alike) refuses a script's write for memory only until its first write has
+# run, and the first command here is a write: out of memory, the chunk is refused before
+# anything is written, else it runs whole. So a chunk is never counted without its messages in
+# the queue, nor its position moved.
 _CLAIM_SEND = """
 local flags, new = {}, 0
-for i = 4, #ARGV, 3 do
+local again = ARGV[4] ~= ''
+for i = 5, #ARGV, 3 do
   local id, flag = ARGV[i], -1
   if redis.call('HSETNX', KEYS[2], id, '') == 1 then
     new, flag = new + 1, 1
   elseif redis.call('HGET', KEYS[2], id) == '' then
     flag = 0
   end
-  if flag >= 0 then redis.call('LPUSH', KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2]) end
+  if flag == 1 or (flag == 0 and again) then
+    redis.call('LPUSH', KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2])
+  end
   flags[#flags + 1] = flag
 end
 if new > 0 then redis.call('HINCRBY', KEYS[1], 'total', new) end
@@ -346,17 +352,23 @@ class BatchStore:
         return [int(f) for f in self._claim(keys=keys, args=[self.ttl_s, *job_ids])]
 
     def claim_send(
-        self, batch: str, jobs: list[tuple[str, str, str]], fed: int | None = None
+        self,
+        batch: str,
+        jobs: list[tuple[str, str, str]],
+        fed: int | None = None,
+        again: bool = False,
     ) -> list[int]:
         """``claim`` and push in one step, where the queues live in this Redis: each of
-        ``jobs`` is (job id, queue list, message); its message is pushed unless its id is done
-        (flag -1). ``fed``: how many of the input's jobs are sent once this chunk is, recorded
-        with it (``fed_position``). All or nothing: a refusal for memory
-        (``refused_for_memory``) means none was
-        claimed or sent, and the position did not move."""
+        ``jobs`` is (job id, queue list, message); its message is pushed if its id is new
+        (flag 1), or claimed before and not done (flag 0) and ``again`` says that earlier
+        message is gone. ``fed``: how many of the input's jobs are sent once this chunk is,
+        recorded with it (``fed_position``). All or nothing: a refusal for memory
+        (``refused_for_memory``) means none was claimed or sent, and the position did not
+        move."""
         lists = list(dict.fromkeys(key for _, key, _ in jobs))
         at = {key: i + 3 for i, key in enumerate(lists)}  # Lua counts KEYS from 1
-        args: list[Any] = [self.ttl_s, "" if fed is None else fed, time.time()]
+        position = "" if fed is None else fed
+        args: list[Any] = [self.ttl_s, position, time.time(), "1" if again else ""]
         for ident, key, message in jobs:
             args += [ident, at[key], message]
         keys = [self.key(batch), self.key(batch, "done"), *lists]

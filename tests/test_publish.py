@@ -119,3 +119,32 @@ def test_a_batch_reaches_the_queue_while_it_is_still_being_submitted(
     assert sum(redis_client.llen(k) for k in lists) == 2000
     assert batch.status().total == 2000
     redis_client.delete(*lists)
+
+
+def test_a_resubmitted_input_sends_only_what_is_not_queued_yet(redis_client: redis.Redis) -> None:
+    # Given a batch of 10 jobs in the queue, no worker taking them
+    from producer import Client
+    from protocol.wire import queue_keys
+
+    queue = f"vqtest-{RUN}-again"
+    client = Client(make_settings(queue))
+    lists = queue_keys(queue)
+
+    def jobs(n: int) -> list[dict[str, str]]:
+        return [{"id": f"j{i}", "type": "summarize", "text": f"Text {i}."} for i in range(n)]
+
+    try:
+        client.submit_many(jobs(10), batch="again")
+        # When the same input, grown by 2 lines, is submitted to the batch again
+        again = client.submit_many(jobs(12), batch="again")
+        # Then only the 2 new jobs are sent: the 10 are queued already, and running them twice
+        # at once would waste the work
+        assert (again.queued_before, again.skipped) == (10, 0)
+        assert sum(redis_client.llen(k) for k in lists) == 12
+        assert again.status().total == 12
+        # while jobs known to be lost on the way are sent again, whole
+        assert client.resend(jobs(12), "again") == 12
+        assert sum(redis_client.llen(k) for k in lists) == 24
+    finally:
+        redis_client.delete(*lists)
+        client.store.delete("again")
