@@ -16,9 +16,11 @@ Equal work on every side: every request samples (temperature 1, fixed seeds) to 
 from the first token; sampled text almost never repeats a cycle three times, and the script
 exits 1 if the output-token totals differ by more than 1%. Outputs are long enough that every
 pattern size is tried (vLLM's check tries a size only once the output holds ``min_count``
-copies of it). Each call of the check is timed in the scheduler's process, so each row also
-gives the check's own microseconds per call, which the device's own swings do not move. Prints
-a table and writes loop-cost.json after every round.
+copies of it). In the first ``--timed-rounds`` rounds each call of the check is timed in the
+scheduler's process, so those rows also give the check's own microseconds per call, which the
+device's own swings do not move; the later rounds run the check bare (the side without a check
+pays no timer either) and give the paired ratio. Prints a table and writes loop-cost.json after
+every round.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def main() -> None:
     ap.add_argument("--in-tokens", type=int, default=300)
     ap.add_argument("--out-tokens", type=int, default=800)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--timed-rounds", type=int, default=1,
+                    help="the first rounds time every call of the check (its own cost per "
+                    "call); the rest run it bare, and give the paired ratio")  # fmt: skip
     ap.add_argument("--max-num-seqs", type=int, default=0)
     ap.add_argument("--cycles", default="",
                     help="longest cycles to check, comma-separated (VQUEUE_LOOP_MAX_CYCLE_TOKENS "
@@ -107,11 +112,11 @@ def main() -> None:
 
     direct = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
-    def use(which: str) -> None:
+    def use(which: str, timed: bool = True) -> None:
         if direct:
-            _use(None, which)
+            _use(None, which, timed)
         else:
-            llm.collective_rpc(_use, args=(which,))
+            llm.collective_rpc(_use, args=(which, timed))
 
     def timing() -> tuple[int, float]:
         calls, seconds = _timing(None) if direct else llm.collective_rpc(_timing)[0]
@@ -141,8 +146,9 @@ def main() -> None:
         sys.exit("loop_cost: --checks names neither vllm nor vqueue")
     sides = [("off", 0)] + [(f, c) for c in sizes for f in whose]
     for r in range(a.rounds):
+        timed = r < a.timed_rounds
         for check, cycle in sides if r % 2 == 0 else sides[::-1]:
-            use(check if cycle else "vllm")
+            use(check if cycle else "vllm", timed)
             ps = [params(cycle, i) for i in range(a.jobs)]
             t = time.perf_counter()
             res = llm.generate(prompts, ps, use_tqdm=False)
@@ -152,6 +158,7 @@ def main() -> None:
             rows.append(
                 {
                     "round": r,
+                    "timed": timed,
                     "check": check,
                     "max_cycle_tokens": cycle or None,
                     "jobs": a.jobs,
@@ -189,14 +196,18 @@ def main() -> None:
     for check, c in sides[1:]:
         on = [x for x in rows if x["max_cycle_tokens"] == c and x["check"] == check]
         on_t, on_s = sum(x["output_tokens"] for x in on), sum(x["wall_s"] for x in on)
+        # the paired ratio from the rounds without the timer, where there are any
+        bare = [x for x in on if not x["timed"]] or on
         paired = [
-            next(o for o in off if o["round"] == x["round"])["wall_s"] / x["wall_s"] for x in on
+            next(o for o in off if o["round"] == x["round"])["wall_s"] / x["wall_s"] for x in bare
         ]
-        share = sum(x["check_s"] for x in on) / on_s
+        timed_on = [x for x in on if x["timed"]]
+        share = sum(x["check_s"] for x in timed_on) / max(sum(x["wall_s"] for x in timed_on), 1e-9)
         print(f"{check}'s check, cycles up to {c} tokens: {off_s / on_s:.1%} of the throughput "
               f"without a check (sum of walls), {statistics.median(paired):.1%} (median of "
-              f"rounds, {min(paired):.1%}-{max(paired):.1%}); the check's own time: {share:.2%} "
-              "of the wall")  # fmt: skip
+              f"{len(paired)} {'untimed ' if bare is not on else ''}rounds, "
+              f"{min(paired):.1%}-{max(paired):.1%}); the check's own time, timer included: "
+              f"{share:.2%} of the wall")  # fmt: skip
         if abs(on_t - off_t) > 0.01 * max(off_t, 1):
             print(f"not equal work: {on_t} vs {off_t} output tokens ({check}, {c})",
                   file=sys.stderr)  # fmt: skip
@@ -205,10 +216,11 @@ def main() -> None:
         sys.exit(1)
 
 
-def _use(worker: Any, which: str) -> None:
+def _use(worker: Any, which: str, timed: bool = True) -> None:
     """``loops.use(which)`` in the scheduler's process (``collective_rpc`` hands each call its
     worker; on one GPU that is the engine core's process), the check wrapped in a timer whose
-    count and sum ``_timing`` returns and restarts.
+    count and sum ``_timing`` returns and restarts; ``timed=False``: the bare check (the timer
+    costs a call frame and two clock reads, which the side without a check does not pay).
 
     The count lives on vLLM's ``utils`` module, not here: run as ``python -m``, this module is
     ``__main__``, whose functions ``collective_rpc`` pickles by value, globals and all, so a
@@ -221,6 +233,8 @@ def _use(worker: Any, which: str) -> None:
         utils.check_sequence_repetition, "inner", utils.check_sequence_repetition
     )
     loops.use(which)
+    if not timed:
+        return
     check = utils.check_sequence_repetition
     timed_calls = utils.__dict__.setdefault("vqueue_timed", [0, 0.0])
 
