@@ -478,6 +478,36 @@ def test_a_job_lost_on_the_way_is_sent_again_and_the_batch_ends(
     _exactly_once(client, "lost-one", 20)
 
 
+def test_a_resubmitted_file_sends_again_only_the_job_lost_on_the_way(
+    procs: Procs, fault_redis: RedisServer, tmp_path: Path
+) -> None:
+    from protocol.wire import queue_keys
+
+    # Given a file of 20 jobs submitted, one of whose messages is lost before any worker takes
+    # it, and a worker that finishes the other 19
+    quiet = {"VQUEUE_VISIBILITY_TIMEOUT_S": "8", "VQUEUE_JOB_TIMEOUT_S": "5",
+             "VQUEUE_LOST_JOB_GRACE_S": "1", "VQUEUE_PREFIX_ROUTING": "false"}  # fmt: skip
+    client = _client(fault_redis.url, prefix_routing=False, lost_job_grace_s=1)
+    file = tmp_path / "jobs.jsonl"
+    file.write_text("".join(json.dumps(j) + "\n" for j in _jobs(20, "gone")))
+    first = _cli("submit", str(file), "--batch", "lost-file", url=fault_redis.url, **quiet)
+    assert first.returncode == 0, first.stderr
+    r = client.store.r
+    assert r.rpop(next(k for k in queue_keys("faults") if r.llen(k))) is not None
+    w = procs.fake_worker("lostf", fault_redis.url, delay=0.01, concurrency=4)
+    w.wait_ready(r, timeout=120)
+    wait_for(lambda: _done(client, "lost-file") >= 19, 120, "19 results")
+    wait_for(lambda: client.lost("lost-file"), 60, "the batch quiet without its last job")
+    # When the same file is submitted to the batch again
+    again = _cli("submit", str(file), "--batch", "lost-file", url=fault_redis.url, **quiet)
+    # Then the 19 with results are skipped and the lost one is sent again, alone
+    assert again.returncode == 0, again.stderr
+    assert b"19 job(s) skipped" in again.stderr, again.stderr
+    assert b"1 job(s) were lost on the way" in again.stderr, again.stderr
+    wait_for(lambda: _done(client, "lost-file") >= 20, 120, "20 results")
+    _exactly_once(client, "lost-file", 20)
+
+
 def test_higher_priority_jobs_are_taken_first(procs: Procs, fault_redis: RedisServer) -> None:
     # Given 10 jobs at priority 0 and then 3 at priority 9, waiting for a worker
     client = _client(fault_redis.url, prefix_routing=False)
