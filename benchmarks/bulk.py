@@ -247,8 +247,9 @@ class Run:
                 ids[key] = ids.get(key, 0) + 1
                 redelivered += int(row.get("deliveries", 1)) > 1
         twice = sum(1 for v in ids.values() if v > 1)
-        # a delivery count that outlives its result: a job delivered again after it was done
-        after_result = int(self.r.hlen(self.store.key(self.batch, "attempts")))
+        # delivery counts left in Redis once every job has its result: each leaves with its
+        # job's result, or with a copy of a finished job, so any left is residue
+        counts_left = int(self.r.hlen(self.store.key(self.batch, "attempts")))
         return {
             "path": self.path,
             "jobs": n,
@@ -261,7 +262,7 @@ class Run:
             "jobs_with_two_lines": twice,
             "missing": n - len(ids),
             "delivered_more_than_once": redelivered,
-            "delivered_after_result": after_result,
+            "delivery_counts_left": counts_left,
             "peak_mb": {
                 k.removesuffix("_rss").removesuffix("_used_memory"): round(v / 2**20, 1)
                 for k, v in self.peak.items()

@@ -571,6 +571,8 @@ class BatchStore:
         pipe.expire(attempts, self.ttl_s)
         pipe.hget(self.key(batch), "withdrawn")
         done, n, _, withdrawn = pipe.execute()
+        if done:  # a copy of a finished job: its count left with its result, and goes again
+            self.r.hdel(attempts, job_id)
         return bool(done), int(n), withdrawn or None
 
     def withdraw(self, batch: str, reason: str) -> bool:

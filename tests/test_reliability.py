@@ -453,6 +453,29 @@ def test_resubmitted_ids_run_once(procs: Procs, fault_redis: RedisServer) -> Non
     assert figures["deliveries_started"] == {1: 15}
 
 
+def test_a_copy_of_a_finished_job_is_acknowledged_without_running(
+    procs: Procs, fault_redis: RedisServer
+) -> None:
+    from protocol.wire import task_message
+
+    # Given a finished batch of 5 (fake engine: the queue's mechanics alone)
+    client = _client(fault_redis.url, prefix_routing=False)
+    w = procs.fake_worker("copy", fault_redis.url, delay=0.01, concurrency=4)
+    w.wait_ready(client.store.r, timeout=120)
+    jobs = _jobs(5, "copy")
+    client.submit_many(jobs, batch="copies").wait(timeout=60)
+    # When a second copy of one of its messages reaches the queue (a restored delivery)
+    r = client.store.r
+    key, message = task_message(client._envelope(jobs[0], "copies"), "faults")
+    r.lpush(key, message)
+    wait_for(lambda: client.queue_depth() == 0 and not _in_flight(client, "copies"), 60,
+             "the copy taken and acknowledged")  # fmt: skip
+    time.sleep(1.0)  # the worker's acknowledgement and anything after it
+    # Then it did not run again, and left no delivery count in Redis
+    _exactly_once(client, "copies", 5)
+    assert not r.exists(client.store.key("copies", "attempts"))
+
+
 def test_a_job_lost_on_the_way_is_sent_again_and_the_batch_ends(
     procs: Procs, fault_redis: RedisServer
 ) -> None:
