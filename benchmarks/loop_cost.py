@@ -18,9 +18,10 @@ exits 1 if the output-token totals differ by more than 1%. Outputs are long enou
 pattern size is tried (vLLM's check tries a size only once the output holds ``min_count``
 copies of it). In the first ``--timed-rounds`` rounds each call of the check is timed in the
 scheduler's process, so those rows also give the check's own microseconds per call, which the
-device's own swings do not move; the later rounds run the check bare (the side without a check
-pays no timer either) and give the paired ratio. Prints a table and writes loop-cost.json after
-every round.
+device's own swings do not move, with and without the timer's own floor (a timed call of a
+check that does nothing, in the same process); the later rounds run the check bare (the side
+without a check pays no timer either) and give the paired ratio. Prints a table and writes
+loop-cost.json after every round.
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ def main() -> None:
     use("vqueue")  # the swap reaches the scheduler, or nothing here measures the check
     llm.generate(prompts[:warm], [params(sizes[0], i) for i in range(warm)], use_tqdm=False)
     counted, _ = timing()
+    floor = _timer_floor(None) if direct else llm.collective_rpc(_timer_floor)[0]
     if not counted:
         sys.exit("loop_cost: the swapped check was never called: vLLM's worker is not in its "
                  "scheduler's process here (more than one GPU?)")  # fmt: skip
@@ -173,11 +175,13 @@ def main() -> None:
                     "check_calls": calls,
                     "check_s": seconds,
                     "check_us_per_call": 1e6 * seconds / calls if calls else None,
+                    "check_net_s": max(seconds - calls * floor, 0.0),
                     "check_s_per_1k_tokens": 1e3 * seconds / max(tokens, 1),
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
             meta = {"model": a.model, "engine_start_s": start_s, "swap_checked_calls": counted,
+                    "timer_floor_us_per_call": 1e6 * floor,
                     "checks": {c: str(k) for c, k in checks.items()}}  # fmt: skip
             (out / "loop-cost.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
     print("| round | check | longest cycle | jobs/s | output tok/s | ended by the check | "
@@ -202,12 +206,15 @@ def main() -> None:
             next(o for o in off if o["round"] == x["round"])["wall_s"] / x["wall_s"] for x in bare
         ]
         timed_on = [x for x in on if x["timed"]]
-        share = sum(x["check_s"] for x in timed_on) / max(sum(x["wall_s"] for x in timed_on), 1e-9)
+        timed_wall = max(sum(x["wall_s"] for x in timed_on), 1e-9)
+        share = sum(x["check_s"] for x in timed_on) / timed_wall
+        net = sum(x["check_net_s"] for x in timed_on) / timed_wall
         print(f"{check}'s check, cycles up to {c} tokens: {off_s / on_s:.1%} of the throughput "
               f"without a check (sum of walls), {statistics.median(paired):.1%} (median of "
               f"{len(paired)} {'untimed ' if bare is not on else ''}rounds, "
-              f"{min(paired):.1%}-{max(paired):.1%}); the check's own time, timer included: "
-              f"{share:.2%} of the wall")  # fmt: skip
+              f"{min(paired):.1%}-{max(paired):.1%}); the check's own time: {share:.2%} of "
+              f"the wall timer included, {net:.2%} less the timer's floor "
+              f"({1e6 * floor:.2f} µs a call)")  # fmt: skip
         if abs(on_t - off_t) > 0.01 * max(off_t, 1):
             print(f"not equal work: {on_t} vs {off_t} output tokens ({check}, {c})",
                   file=sys.stderr)  # fmt: skip
@@ -248,6 +255,25 @@ def _use(worker: Any, which: str, timed: bool = True) -> None:
 
     timed.inner = check  # type: ignore[attr-defined]
     utils.check_sequence_repetition = timed
+
+
+def _timer_floor(worker: Any, calls: int = 200_000) -> float:
+    """Seconds per call that the timer in ``_use`` reads around a check that does nothing, in the
+    scheduler's process: the part of each timed call's seconds that is the timer's own (one clock
+    read and a call frame), subtracted to give the check's share net of it."""
+    tokens, params = list(range(64)), SimpleNamespace()
+
+    def nothing(token_ids: Any, p: Any) -> bool:
+        return False
+
+    seconds = 0.0
+    for _ in range(calls):
+        t = time.perf_counter()
+        try:
+            nothing(tokens, params)
+        finally:
+            seconds += time.perf_counter() - t
+    return seconds / calls
 
 
 def _timing(worker: Any) -> tuple[int, float]:
