@@ -31,6 +31,10 @@ workload at ``--warm-scale`` of its size on every system, so that whichever syst
 round 1 does not meet a workload's shapes alone (a 48-job warm-up left vqueue's first runs the
 slowest of a call more often than not).
 
+Each row also says how the run used the host: the CPU seconds of the system's processes, vLLM's
+engine core apart (``engine_core_ms_per_step``), and the host's busy cores (``CpuTree``), beside
+the GPU's clock and power (``GpuWatch``).
+
 Per round, ``ratio_vs_raw`` is vqueue's jobs/s over the better raw row of that workload and round;
 the summary gives medians over the rounds. Results go to ``--out`` after every round (suite.json,
 suite.md), so a run cut short by ``--budget-s`` or a kill keeps what it measured. Also runs on a
@@ -754,6 +758,64 @@ class GpuWatch:
         }
 
 
+class CpuTree:
+    """CPU seconds of a process and everything below it (Linux ``/proc``, nothing to install),
+    split into vLLM's engine core and the rest, and the host's busy cores: whether a row's
+    system spent its CPU where the engine step runs, or crowded the host around it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    @staticmethod
+    def _stat(pid: str) -> tuple[int, str, float] | None:
+        try:
+            raw = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        name, rest = raw[raw.index("(") + 1 : raw.rindex(")")], raw[raw.rindex(")") + 2 :].split()
+        return int(rest[1]), name, int(rest[11]) + int(rest[12])  # ppid, comm, utime + stime
+
+    @staticmethod
+    def _host() -> tuple[int, int]:
+        try:
+            xs = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except OSError:
+            return 0, 0
+        return sum(xs) - xs[3] - xs[4], sum(xs)  # busy (all but idle and iowait), total
+
+    def snapshot(self) -> tuple[dict[str, float], tuple[int, int]]:
+        procs = {}
+        for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+            if d.isdigit() and (st := self._stat(d)) is not None:
+                procs[int(d)] = st
+        mine, todo = {self.pid}, [self.pid]
+        while todo:
+            parent = todo.pop()
+            for pid, (ppid, _, _) in procs.items():
+                if ppid == parent and pid not in mine:
+                    mine.add(pid)
+                    todo.append(pid)
+        split = {"engine_core": 0.0, "other": 0.0}
+        for pid in mine:
+            if pid in procs:
+                _, name, ticks = procs[pid]
+                split["engine_core" if "EngineCor" in name else "other"] += ticks / self.tick
+        return split, self._host()
+
+    def between(self, a: Any, b: Any, steps: int | None) -> dict[str, Any]:
+        (p0, (busy0, all0)), (p1, (busy1, all1)) = a, b
+        core = p1["engine_core"] - p0["engine_core"]
+        return {
+            "cpu_s_engine_core": core,
+            "cpu_s_other": p1["other"] - p0["other"],
+            "engine_core_ms_per_step": 1e3 * core / steps if steps else None,
+            "host_cores_busy": (busy1 - busy0) / (all1 - all0) * (os.cpu_count() or 1)
+            if all1 > all0
+            else None,
+        }
+
+
 # ------------------------------------------------------------------------------- report
 def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
     """Per workload and system: medians over rounds; vqueue's ratio to the better raw row per
@@ -813,6 +875,11 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
                 "engine_steps": _median(r.get("engine_steps") for r in rs),
                 "tokens_per_step": _median(r.get("tokens_per_step") for r in rs),
                 "preemptions": _median(r.get("preemptions") for r in rs),
+                # where the system's CPU went (CpuTree): the engine core's per step, and the
+                # host's busy cores, which a system crowding the engine core's host shows
+                "engine_core_ms_per_step": _median(r.get("engine_core_ms_per_step") for r in rs),
+                "cpu_s_other": _median(r.get("cpu_s_other") for r in rs),
+                "host_cores_busy": _median(r.get("host_cores_busy") for r in rs),
             }
             if s in QUEUED and any("ratio_vs_raw" in r for r in rs):
                 summary["ratio_vs_raw"] = statistics.median(
@@ -1068,6 +1135,7 @@ def main() -> None:
             for s in systems:
                 _ = vq.run(name, jobs, 0, s) if s in QUEUED else raw.run(s, name, 0)
         round_s = 0.0
+        cpu_vq, cpu_raw = CpuTree(vq.proc.pid), CpuTree(raw.proc.pid)
         for rnd in range(1, last + 1):
             if a.budget_s and time.perf_counter() - began + round_s > a.budget_s:
                 print(f"round {rnd} would end past --budget-s; stopping", flush=True)
@@ -1081,6 +1149,8 @@ def main() -> None:
                     time.sleep(a.pause_s)
                     if profiled:  # every process samples itself during this run only
                         (prof / "on").write_text(part)
+                    tree = cpu_vq if s in QUEUED else cpu_raw
+                    before = tree.snapshot()
                     t_run = time.time()
                     if s in QUEUED:
                         mine = own[rnd][name] if s == "vqueue no-monitor" else jobs
@@ -1088,6 +1158,7 @@ def main() -> None:
                     else:
                         r = raw.run(s, name, rnd)
                     r.update(started_at=t_run, **gpu.during(t_run, time.time()))
+                    r.update(tree.between(before, tree.snapshot(), r.get("engine_steps")))
                     if profiled:
                         (prof / "on").unlink()
                         time.sleep(0.6)  # each writes its stacks under prof/part
