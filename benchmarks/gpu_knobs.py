@@ -17,10 +17,12 @@ Equal work: every job's output length is fixed (``ignore_eos``, ``min_tokens``),
 generates the same tokens from the same prompts; the script exits 1 when a row's generated
 tokens differ by more than 1% from the bf16 row of its round. ``chat`` is the suite's mixed
 workload without its extraction jobs (guided JSON cannot be held to a length, and a quantized
-model's JSON is not the same length as bf16's). Per row: jobs/s, output tok/s, TTFT p50/p99;
-per knob: its engine's start time (all start at once, so each is slower than alone), the
-weights' memory and the KV cache's size in tokens (its bytes are ``--kv-cache-bytes``), read
-from vLLM's log.
+model's JSON is not the same length as bf16's). ``s1`` is the seed notes' summary setting behind
+their S1 row (GPTQ int4 at 32K context): 40 documents of 32K tokens at scale 1, 256 tokens out
+(``--max-model-len`` 40960 and a KV cache that holds a few such documents). Per row: jobs/s,
+output tok/s, TTFT p50/p99; per knob: its engine's start time (all start at once, so each is
+slower than alone), the weights' memory and the KV cache's size in tokens (its bytes are
+``--kv-cache-bytes``), read from vLLM's log.
 
 Writes knobs.json and knobs.md under ``--out`` after every round.
 """
@@ -90,6 +92,12 @@ def int4_dir(src: Path, method: str, dst: Path) -> Path:
 def chat(t: wl.TextMaker, n: int) -> list[dict[str, Any]]:
     """The suite's mixed workload less its extraction jobs: every output 128 tokens."""
     return [j for j in wl.mixed(t, n + n // 2) if j["type"] != "extract"][:n]
+
+
+def s1(t: wl.TextMaker, n: int, in_tokens: int = 32000) -> list[dict[str, Any]]:
+    """The seed notes' summary setting, which their S1 row (GPTQ int4 at 32K context) measured:
+    documents of 32K tokens, 256 output tokens each."""
+    return wl.long_context(t, n, in_tokens=in_tokens, out=256)
 
 
 def memory_of(log: Path) -> dict[str, Any]:
@@ -165,7 +173,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--knobs", default="bf16,fp8,gptq,awq,kv-fp8,eager")
     ap.add_argument(
-        "--workloads", default="chat,long", help="chat, and the suite's: prefix, long, long32k"
+        "--workloads",
+        default="chat,long",
+        help="chat; s1 (32K-token documents, 256 tokens out); the suite's: prefix, long, "
+        "long32k, json",
     )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--scale", type=float, default=0.6, help="1.0: chat 1,000, long 200, ...")
@@ -189,11 +200,15 @@ def main() -> None:
     texts = wl.TextMaker.of_model(a.model)
 
     def loads(scale: float, seed: int) -> dict[str, list[dict[str, Any]]]:
-        suite = [w for w in names if w != "chat"]
-        got = build(texts, scale, suite, seed=seed, small=scale < 0.1 and a.scale < 0.1)
+        small = scale < 0.1 and a.scale < 0.1
+        suite = [w for w in names if w not in ("chat", "s1")]
+        got = build(texts, scale, suite, seed=seed, small=small)
         if "chat" in names:
             texts.rng.seed(seed)
             got = {"chat": chat(texts, max(3, round(1000 * scale))), **got}
+        if "s1" in names:
+            texts.rng.seed(seed)
+            got["s1"] = s1(texts, max(2, round(40 * scale)), 3000 if small else 32000)
         return got
 
     shared = {
