@@ -5,6 +5,9 @@
 2. Queue overhead: a real Celery worker process whose engine is an instant STUB
    (``benchmarks/stub_engine.py``), so the time per job is the queue path alone: publish,
    delivery, task dispatch, prompt building, result recording, result streaming.
+3. A job past Celery: the worker's own per-job work (envelope, start check, ``run_job``,
+   record) in one thread on the same STUB engine, by part: what a worker would still pay per
+   job if Celery cost nothing.
 
     .venv/bin/python -m benchmarks.queue_cpu [--jobs 50000] [--stub-jobs 5000]
 
@@ -50,7 +53,8 @@ def settings(queue: str) -> Settings:
 def submit_rate(n: int) -> dict:
     r = redis.Redis.from_url(URL)
     r.flushdb()
-    client = Client(settings("bench-submit"))
+    # no worker drains this queue: a feed window of the whole batch, or submit waits for room
+    client = Client(settings("bench-submit").model_copy(update={"feed_window": n}))
     jobs = [job(i) for i in range(n)]
     t = time.perf_counter()
     batch = client.submit_many(jobs)
@@ -62,7 +66,11 @@ def submit_rate(n: int) -> dict:
         for j in jobs:
             fh.write(json.dumps(j) + "\n")
     env = dict(
-        os.environ, VQUEUE_BROKER_URL=URL, VQUEUE_QUEUE="bench-submit", VQUEUE_KEY_PREFIX="vqbench"
+        os.environ,
+        VQUEUE_BROKER_URL=URL,
+        VQUEUE_QUEUE="bench-submit",
+        VQUEUE_KEY_PREFIX="vqbench",
+        VQUEUE_FEED_WINDOW=str(n),
     )
     t = time.perf_counter()
     subprocess.run(
@@ -138,6 +146,50 @@ def stub_overhead(n: int, concurrency: int) -> dict:
         r.flushdb()
 
 
+def task_path(n: int) -> dict:
+    """What one job costs a worker past Celery, in one thread on the same STUB engine: the
+    envelope parsed, the start check, ``run_job``, the record. Celery's own share of the queue
+    path is the rest (message pop, unacknowledged record, dispatch to a thread, ack)."""
+    from protocol.store import BatchStore
+    from schemas.jobs import CHECKED, Envelope
+    from worker.runner import run_job
+
+    from .stub_engine import StubEngine
+
+    r = redis.Redis.from_url(URL, decode_responses=True)  # as the worker's store reads it
+    r.flushdb()
+    s = settings("bench-task").model_copy(update={"result_cache": False})
+    store, engine = BatchStore(r, s.key_prefix), StubEngine(s)
+    payloads = [{"job": job(i), "batch": "task-path", "enqueued_at": time.time()} for i in range(n)]
+    store.claim("task-path", [p["job"]["id"] for p in payloads])
+    parts = dict.fromkeys(("parse", "start", "run_job", "record"), 0.0)
+    cpu, t = time.process_time(), time.perf_counter()
+    for p in payloads:
+        t0 = time.perf_counter()
+        env = Envelope.model_validate(p, context=CHECKED)
+        t1 = time.perf_counter()
+        _, attempts, _ = store.start(env.batch, env.job.id)
+        t2 = time.perf_counter()
+        result = run_job(env, engine, s, "task-path", None, None)
+        result.deliveries = attempts
+        t3 = time.perf_counter()
+        store.record(result)
+        t4 = time.perf_counter()
+        for k, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            parts[k] += dt
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    st = store.status("task-path")
+    assert st is not None and st.completed == n, st
+    r.flushdb()
+    return {
+        "jobs": n,
+        "jobs_per_s": n / wall,
+        "us_per_job": 1e6 * wall / n,
+        "cpu_us_per_job": 1e6 * cpu / n,
+        "us_per_job_by_part": {k: 1e6 * v / n for k, v in parts.items()},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=50_000)
@@ -152,9 +204,11 @@ def main() -> None:
         "command": " ".join(["python -m benchmarks.queue_cpu", *sys.argv[1:]]),
         "submit": submit_rate(a.jobs),
         "stub_worker": stub_overhead(a.stub_jobs, a.concurrency),
+        "task_path": task_path(a.stub_jobs),
     }
     Path(a.out).write_text(json.dumps(res, indent=2))
-    s, w = res["submit"], res["stub_worker"]
+    s, w, tp = res["submit"], res["stub_worker"], res["task_path"]
+    by_part = ", ".join(f"{k} {v:.0f}" for k, v in tp["us_per_job_by_part"].items())
     rows = [
         (
             "submit, Python client",
@@ -170,6 +224,12 @@ def main() -> None:
             "queue path, STUB engine",
             f"{w['jobs']} jobs, {w['concurrency']} threads",
             f"{w['jobs_per_s']:,.0f} jobs/s = {w['overhead_ms_per_job']:.2f} ms/job",
+        ),
+        (
+            "a job past Celery, one thread, STUB engine",
+            f"{tp['jobs']} jobs",
+            f"{tp['jobs_per_s']:,.0f} jobs/s = {tp['us_per_job']:.0f} µs/job "
+            f"({tp['cpu_us_per_job']:.0f} µs CPU; µs: {by_part})",
         ),
     ]
     print("| measure | size | result |\n|---|---|---|")
