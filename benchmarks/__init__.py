@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,3 +55,31 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def own_redis(work: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """A ``redis-server`` of the run's own on a free port (no snapshot, no append-only file, its
+    files under ``work``), once it answers, and its URL. A benchmark flushes and fills the Redis
+    it uses, so never one that someone else holds. It runs in a session of its own, so that a
+    benchmark killing its workers' process groups leaves it; the caller stops it."""
+    import redis
+
+    work = work or Path(tempfile.mkdtemp(prefix="vq-redis-"))
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
+         "--dir", str(work)],
+        stdout=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    for _ in range(200):
+        try:
+            client.ping()
+            return proc, url
+        except redis.ConnectionError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"redis-server on port {port} did not start")

@@ -41,7 +41,7 @@ from typing import Any
 import psutil
 import redis
 
-from benchmarks import free_port, plugin_env
+from benchmarks import free_port, own_redis, plugin_env
 from protocol.store import BatchStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,20 +73,8 @@ class Run:
 
     def __init__(self, a: argparse.Namespace, path: str, src: Path, work: Path) -> None:
         self.a, self.path, self.src, self.work = a, path, src, work
-        self.port = free_port()
-        self.redis_proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", str(work)],
-            stdout=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.redis_proc, self.url = own_redis(work)
         self.r = redis.Redis.from_url(self.url, decode_responses=True)
-        for _ in range(100):
-            try:
-                self.r.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
         self.store = BatchStore(self.r, PREFIX)
         self.env = dict(
             plugin_env(), VQUEUE_BROKER_URL=self.url, VQUEUE_QUEUE="bulk",

@@ -9,7 +9,7 @@
    record) in one thread on the same STUB engine, by part: what a worker would still pay per
    job if Celery cost nothing.
 
-    .venv/bin/python -m benchmarks.queue_cpu [--jobs 50000] [--stub-jobs 5000]
+    .venv/bin/python -m benchmarks.queue_cpu [--jobs 50000] [--stub-jobs 5000]   # its own Redis
 
 Prints a table and writes benchmarks/results/queue-cpu.json.
 """
@@ -28,12 +28,12 @@ from pathlib import Path
 
 import redis
 
+from benchmarks import own_redis
 from producer import Client
 from protocol.wire import queue_keys
 from schemas import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
-URL = os.environ.get("VQUEUE_BENCH_REDIS", "redis://127.0.0.1:6379/14")
 
 
 def job(i: int) -> dict:
@@ -46,15 +46,15 @@ def job(i: int) -> dict:
     }
 
 
-def settings(queue: str) -> Settings:
-    return Settings(_env_file=None, broker_url=URL, queue=queue, key_prefix="vqbench")
+def settings(url: str, queue: str) -> Settings:
+    return Settings(_env_file=None, broker_url=url, queue=queue, key_prefix="vqbench")
 
 
-def submit_rate(n: int) -> dict:
-    r = redis.Redis.from_url(URL)
+def submit_rate(url: str, n: int) -> dict:
+    r = redis.Redis.from_url(url)
     r.flushdb()
     # no worker drains this queue: a feed window of the whole batch, or submit waits for room
-    client = Client(settings("bench-submit").model_copy(update={"feed_window": n}))
+    client = Client(settings(url, "bench-submit").model_copy(update={"feed_window": n}))
     jobs = [job(i) for i in range(n)]
     t = time.perf_counter()
     batch = client.submit_many(jobs)
@@ -67,7 +67,7 @@ def submit_rate(n: int) -> dict:
             fh.write(json.dumps(j) + "\n")
     env = dict(
         os.environ,
-        VQUEUE_BROKER_URL=URL,
+        VQUEUE_BROKER_URL=url,
         VQUEUE_QUEUE="bench-submit",
         VQUEUE_KEY_PREFIX="vqbench",
         VQUEUE_FEED_WINDOW=str(n),
@@ -93,12 +93,12 @@ def submit_rate(n: int) -> dict:
     }
 
 
-def stub_overhead(n: int, concurrency: int) -> dict:
-    r = redis.Redis.from_url(URL)
+def stub_overhead(url: str, n: int, concurrency: int) -> dict:
+    r = redis.Redis.from_url(url)
     r.flushdb()
     env = dict(
         os.environ,
-        VQUEUE_BROKER_URL=URL,
+        VQUEUE_BROKER_URL=url,
         VQUEUE_QUEUE="bench-stub",
         VQUEUE_RESULT_CACHE="false",
         VQUEUE_KEY_PREFIX="vqbench",
@@ -122,7 +122,7 @@ def stub_overhead(n: int, concurrency: int) -> dict:
                     "stub worker did not start; see benchmarks/results/stub-worker.log.tmp"
                 )
             time.sleep(0.2)
-        client = Client(settings("bench-stub"))
+        client = Client(settings(url, "bench-stub"))
         t = time.perf_counter()
         batch = client.submit_many(job(i) for i in range(n))
         submitted = time.perf_counter() - t
@@ -146,7 +146,7 @@ def stub_overhead(n: int, concurrency: int) -> dict:
         r.flushdb()
 
 
-def task_path(n: int) -> dict:
+def task_path(url: str, n: int) -> dict:
     """What one job costs a worker past Celery, in one thread on the same STUB engine: the
     envelope parsed, the start check, ``run_job``, the record. Celery's own share of the queue
     path is the rest (message pop, unacknowledged record, dispatch to a thread, ack)."""
@@ -156,9 +156,9 @@ def task_path(n: int) -> dict:
 
     from .stub_engine import StubEngine
 
-    r = redis.Redis.from_url(URL, decode_responses=True)  # as the worker's store reads it
+    r = redis.Redis.from_url(url, decode_responses=True)  # as the worker's store reads it
     r.flushdb()
-    s = settings("bench-task").model_copy(update={"result_cache": False})
+    s = settings(url, "bench-task").model_copy(update={"result_cache": False})
     store, engine = BatchStore(r, s.key_prefix), StubEngine(s)
     payloads = [{"job": job(i), "batch": "task-path", "enqueued_at": time.time()} for i in range(n)]
     store.claim("task-path", [p["job"]["id"] for p in payloads])
@@ -197,16 +197,29 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "queue-cpu.json"))
     a = ap.parse_args()
-    res = {
+    server, url = own_redis()
+    try:
+        res = measure(a, url)
+    finally:
+        server.kill()
+        server.wait()
+    Path(a.out).write_text(json.dumps(res, indent=2))
+    report(res, a.out)
+
+
+def measure(a: argparse.Namespace, url: str) -> dict:
+    return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "command": " ".join(["python -m benchmarks.queue_cpu", *sys.argv[1:]]),
-        "submit": submit_rate(a.jobs),
-        "stub_worker": stub_overhead(a.stub_jobs, a.concurrency),
-        "task_path": task_path(a.stub_jobs),
+        "submit": submit_rate(url, a.jobs),
+        "stub_worker": stub_overhead(url, a.stub_jobs, a.concurrency),
+        "task_path": task_path(url, a.stub_jobs),
     }
-    Path(a.out).write_text(json.dumps(res, indent=2))
+
+
+def report(res: dict, out: str) -> None:
     s, w, tp = res["submit"], res["stub_worker"], res["task_path"]
     by_part = ", ".join(f"{k} {v:.0f}" for k, v in tp["us_per_job_by_part"].items())
     rows = [
@@ -235,7 +248,7 @@ def main() -> None:
     print("| measure | size | result |\n|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    print(f"wrote {a.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import redis
 from producer import Client
 from schemas import JobResult, Settings, Timings, Usage
 
-from . import free_port
+from . import own_redis
 
 
 def _used(r: redis.Redis) -> int:
@@ -43,20 +42,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="vq-redis-bytes-"))
-    port = free_port()
-    server = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--save", "", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-    )
+    server, url = own_redis(workdir)
     try:
-        url = f"redis://127.0.0.1:{port}/0"
         r = redis.Redis.from_url(url)
-        for _ in range(100):
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
         s = Settings(
             _env_file=None, broker_url=url, queue="bytes", prefix_routing=False,
             feed_window=a.jobs,  # no worker drains it: the whole batch is queued at once
