@@ -11,7 +11,7 @@
 
     .venv/bin/python -m benchmarks.queue_cpu [--jobs 50000] [--stub-jobs 5000]   # its own Redis
 
-Prints a table and writes benchmarks/results/queue-cpu.json.
+Prints a table and writes JSON (benchmarks/results/queue-cpu-<date>.json by default).
 """
 
 from __future__ import annotations
@@ -195,8 +195,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=50_000)
     ap.add_argument("--stub-jobs", type=int, default=5_000)
     ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "queue-cpu.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "queue-cpu-{date}.json"))
     a = ap.parse_args()
+    a.out = a.out.format(date=time.strftime("%Y-%m-%d"))
     server, url = own_redis()
     try:
         res = measure(a, url)
