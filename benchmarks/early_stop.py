@@ -20,6 +20,7 @@ Prints a table, writes early-stop.json under --out.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import random
 import time
@@ -27,7 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks import plugin_env
+from benchmarks import own_redis, plugin_env
 from schemas import JobResult, Settings
 
 from .gpu_suite import launch_worker, stop
@@ -54,7 +55,9 @@ def main() -> None:
     ap.add_argument("--model", default=Settings(_env_file=None).model)
     ap.add_argument("--out", required=True)
     ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    ap.add_argument(
+        "--redis", default="", help="a Redis to use and flush (default: one of the run's own)"
+    )
     ap.add_argument("--workloads", default="cost,simulated")
     ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args()
@@ -65,7 +68,11 @@ def main() -> None:
 
     from producer import Client
 
-    redis.Redis.from_url(a.redis).flushdb()
+    if a.redis:
+        redis.Redis.from_url(a.redis).flushdb()
+    else:
+        own, a.redis = own_redis()
+        atexit.register(own.kill)
     n = lambda x: max(4, int(x * a.scale))  # noqa: E731
     rng = random.Random(11)
     rows: list[dict[str, Any]] = []
