@@ -600,7 +600,9 @@ class Batches:
 
         # the batch exists in the store before it is in_progress, so a cancel from now on
         # reaches its jobs
-        client.store.create(bid, "vqueue", b.input_file_id, queue=self.settings.queue)
+        client.store.create(
+            bid, "vqueue", b.input_file_id, queue=self.settings.queue, expected=total
+        )
         started = self._update(
             tenant, bid, ("cancelling", *FINAL_STATES), status="in_progress", in_progress_at=now,
             request_counts=RequestCounts(total=total),

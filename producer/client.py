@@ -331,6 +331,7 @@ class Client:
         on_progress: Callable[[int], None] | None = None,
         force: bool = False,
         position: int | None = None,
+        expected: int | None = None,
     ) -> Batch:
         """Validate and enqueue ``jobs`` in pipelined chunks; returns once all are in Redis.
         A batch holds at most its window of jobs in Redis (``window``): past it, this waits
@@ -344,9 +345,11 @@ class Client:
         ``_publish`` says when it is). ``position``: how many of the input's jobs came before
         ``jobs``; given, the batch records with each chunk how many are sent
         (``BatchStore.fed_position``), so a feed whose process dies resumes where it stopped.
+        ``expected``: about how many jobs the batch will hold, when known, so a new batch's
+        done marks are stored compactly (``BatchStore.create``).
         """
         batch_id = batch or new_batch_id()
-        self.store.create(batch_id, "vqueue", source, queue=self.settings.queue)
+        self.store.create(batch_id, "vqueue", source, queue=self.settings.queue, expected=expected)
         if position is not None:
             self.store.feed_start(batch_id, f"{socket.gethostname()}:{os.getpid()}")
         chunk: list[Envelope] = []
@@ -414,9 +417,7 @@ class Client:
             if item is not None:
                 chunk.append(self._envelope(item, batch_id))
             if len(chunk) >= PUBLISH_CHUNK or (item is None and chunk):
-                done = self.store.r.hmget(
-                    self.store.key(batch_id, "done"), [e.job.id for e in chunk]
-                )
+                done = self.store.marks(batch_id, [e.job.id for e in chunk])
                 todo = [e for e, d in zip(chunk, done, strict=True) if d == ""]
                 if todo:
                     self._publish(todo, batch_id, again=True)

@@ -53,6 +53,17 @@ def parse_lines(
         yield p
 
 
+def count_lines(path: str) -> int:
+    """How many lines the file holds (a final line without a newline counts), read in
+    blocks: a batch's size, known before its first job is sent."""
+    n, last = 0, b"\n"
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            n += block.count(b"\n")
+            last = block[-1:]
+    return n + (last != b"\n")
+
+
 def read_lines(fh: BinaryIO) -> Iterator[bytes]:
     """Lines of ``fh`` with over-long ones cut to a marker, never held whole in memory."""
     while True:

@@ -4,7 +4,10 @@ Per batch ``b`` (keys under the settings' ``key_prefix``):
 
 - ``{p}:batch:{b}``          hash: total, completed, failed, rejected, sealed, created_at, ...
                              (canary: its report; paused, feed_options: a failed canary's)
-- ``{p}:batch:{b}:done``     hash: job id -> "" once enqueued, its stream entry id once done
+- ``{p}:batch:{b}:done``     hash: job id -> "" once enqueued, its stream entry id once done;
+                             a batch whose size was known when it was made (``shards``) splits it
+                             into ``{p}:batch:{b}:done:{k}``, ``k`` from the id's hash
+                             (``mark_shard``), each small enough for Redis's compact encoding
 - ``{p}:batch:{b}:results``  stream: one entry per finished job, ``result`` = JobResult JSON
 - ``{p}:batch:{b}:attempts`` hash: job id -> deliveries started, until its result is recorded
                              (a poison job is dead-lettered)
@@ -24,7 +27,9 @@ Both are Lua scripts, so no interleaving of producers and workers can count twic
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import re
 import subprocess
 import sys
@@ -38,17 +43,39 @@ from schemas import BatchStatus, CanaryReport, JobError, JobResult, Settings, Ti
 from schemas.jobs import BATCH_PATTERN
 from schemas.templates import Template
 
+# Every script that reads or writes a job's done mark starts with this: KEYS[1] is the batch
+# hash, KEYS[2] the done map's name, and ``mark(id)`` the key holding the id's mark. A map of
+# ``shards`` parts is keys the script derives, not keys it is given: vqueue runs on a single
+# Redis (kombu's transport does too), where a script may touch them.
+_MARKS = """
+local shards = tonumber(redis.call('HGET', KEYS[1], 'shards') or '1') or 1
+local function mark(id)
+  if shards <= 1 then return KEYS[2] end
+  return KEYS[2] .. ':' .. (tonumber(string.sub(redis.sha1hex(id), 1, 8), 16) % shards)
+end
+"""
+
+# KEYS: batch hash. ARGV: parts of its done map. Only a new batch is split: an existing one
+# keeps where its marks already are.
+_SPLIT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('HSET', KEYS[1], 'shards', ARGV[1]) end
+return 1
+"""
+
 # KEYS: batch hash, done hash, results stream, attempts hash. ARGV: job id, result json, status
 # field, ttl, now, prompt tokens, prompt tokens served from the prefix cache, completion tokens,
 # the model that answered ("" for none). A recorded job's delivery count goes (the result
 # carries it): the done mark alone stops a redelivery, so a finished job leaves only that mark
 # behind. pcall: a counter that cannot go (a key of the wrong type) must not fail the record
 # after its writes.
-_RECORD = """
-local done = redis.call('HGET', KEYS[2], ARGV[1])
+_RECORD = (
+    _MARKS
+    + """
+local marks = mark(ARGV[1])
+local done = redis.call('HGET', marks, ARGV[1])
 if done and done ~= '' then return 0 end
 local entry = redis.call('XADD', KEYS[3], '*', 'id', ARGV[1], 'result', ARGV[2])
-redis.call('HSET', KEYS[2], ARGV[1], entry)
+redis.call('HSET', marks, ARGV[1], entry)
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
 redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[6])
 redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[7])
@@ -56,29 +83,53 @@ redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[8])
 if ARGV[9] ~= '' then redis.call('HSET', KEYS[1], 'model', ARGV[9]) end
 redis.call('HSET', KEYS[1], 'updated_at', ARGV[5])
 redis.pcall('HDEL', KEYS[4], ARGV[1])
-for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
+for _, key in ipairs({KEYS[1], marks, KEYS[3]}) do redis.call('EXPIRE', key, ARGV[4]) end
 return 1
 """
+)
+
+# KEYS: batch hash, done hash, attempts hash. ARGV: job id, ttl. A delivery starts: {1 if the
+# job has a result already (its count goes: it left with that result), deliveries started so
+# far, why the batch was withdrawn or ""}.
+_START = (
+    _MARKS
+    + """
+local done = redis.call('HGET', mark(ARGV[1]), ARGV[1])
+local withdrawn = redis.call('HGET', KEYS[1], 'withdrawn') or ''
+if done and done ~= '' then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  return {1, 0, withdrawn}
+end
+local n = redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
+redis.call('EXPIRE', KEYS[3], ARGV[2])
+return {0, n, withdrawn}
+"""
+)
 
 
 # KEYS: batch hash, done hash. ARGV: ttl, job ids. One flag per id: 1 new (counted in total),
 # 0 enqueued before but not done (send again: the earlier send may be lost), -1 done (skip).
-_CLAIM = """
-local flags, new = {}, 0
+_CLAIM = (
+    _MARKS
+    + """
+local flags, new, touched = {}, 0, {}
 for i = 2, #ARGV do
-  if redis.call('HSETNX', KEYS[2], ARGV[i], '') == 1 then
+  local marks = mark(ARGV[i])
+  touched[marks] = true
+  if redis.call('HSETNX', marks, ARGV[i], '') == 1 then
     new = new + 1
     flags[i - 1] = 1
-  elseif redis.call('HGET', KEYS[2], ARGV[i]) == '' then
+  elseif redis.call('HGET', marks, ARGV[i]) == '' then
     flags[i - 1] = 0
   else
     flags[i - 1] = -1
   end
 end
 if new > 0 then redis.call('HINCRBY', KEYS[1], 'total', new) end
-redis.call('EXPIRE', KEYS[2], ARGV[1])
+for key in pairs(touched) do redis.call('EXPIRE', key, ARGV[1]) end
 return flags
 """
+)
 
 # KEYS: batch hash, done hash, then the queue lists. ARGV: ttl, the feed's position after this
 # chunk ("" for none), the time, "1" to push again ids claimed before and not done ("" not to),
@@ -91,14 +142,18 @@ return flags
 # run, and the first command here is a write: out of memory, the chunk is refused before
 # anything is written, else it runs whole. So a chunk is never counted without its messages in
 # the queue, nor its position moved.
-_CLAIM_SEND = """
-local flags, new = {}, 0
+_CLAIM_SEND = (
+    _MARKS
+    + """
+local flags, new, touched = {}, 0, {}
 local again = ARGV[4] ~= ''
 for i = 5, #ARGV, 3 do
   local id, flag = ARGV[i], -1
-  if redis.call('HSETNX', KEYS[2], id, '') == 1 then
+  local marks = mark(id)
+  touched[marks] = true
+  if redis.call('HSETNX', marks, id, '') == 1 then
     new, flag = new + 1, 1
-  elseif redis.call('HGET', KEYS[2], id) == '' then
+  elseif redis.call('HGET', marks, id) == '' then
     flag = 0
   end
   if flag == 1 or (flag == 0 and again) then
@@ -108,9 +163,10 @@ for i = 5, #ARGV, 3 do
 end
 if new > 0 then redis.call('HINCRBY', KEYS[1], 'total', new) end
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'fed', ARGV[2], 'fed_at', ARGV[3]) end
-redis.call('EXPIRE', KEYS[2], ARGV[1])
+for key in pairs(touched) do redis.call('EXPIRE', key, ARGV[1]) end
 return flags
 """
+)
 
 # KEYS: batch hash. ARGV: why submission stopped, lines rejected. Seals the batch with that
 # reason. On Redis 7 and later the ``allow-oom`` flag lets it write when Redis is out of memory,
@@ -124,11 +180,14 @@ _STOPPED = "#!lua flags=allow-oom" + _STOPPED_BODY
 
 # KEYS: batch hash, done hash, results stream, attempts hash. ARGV: job id.
 # Undo a job's result so it can run again (dead-letter requeue): 1 if there was one.
-_FORGET = """
-local entry = redis.call('HGET', KEYS[2], ARGV[1])
+_FORGET = (
+    _MARKS
+    + """
+local marks = mark(ARGV[1])
+local entry = redis.call('HGET', marks, ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
 if not entry or entry == '' then
-  redis.call('HSET', KEYS[2], ARGV[1], '')
+  redis.call('HSET', marks, ARGV[1], '')
   return 0
 end
 local got = redis.call('XRANGE', KEYS[3], entry, entry)
@@ -141,9 +200,10 @@ if #got > 0 then
   end
 end
 redis.call('XDEL', KEYS[3], entry)
-redis.call('HSET', KEYS[2], ARGV[1], '')
+redis.call('HSET', marks, ARGV[1], '')
 return 1
 """
+)
 
 
 # KEYS: the tenant's bucket. ARGV: rate (tokens/s), burst, n, and the time (seconds; "" for
@@ -187,6 +247,19 @@ def refused_for_memory(exc: BaseException) -> bool:
 
 
 POOL_CONNECTIONS = 64  # per process; threads beyond it queue for a connection
+# Jobs per part of a batch's done map, on average: Redis keeps a hash of up to 128 entries
+# (``hash-max-listpack-entries``) as one compact listpack, about a quarter of the memory a
+# hash table takes per entry. At 64 on average, the fullest of thousands of parts stays
+# under 128.
+MARKS_PER_SHARD = 64
+
+
+def mark_shard(job_id: str, shards: int) -> int:
+    """The part of a done map of ``shards`` parts holding ``job_id``'s mark; ``_MARKS``
+    computes the same in Redis."""
+    return int(hashlib.sha1(job_id.encode()).hexdigest()[:8], 16) % shards
+
+
 TEMPLATE_CHECK_S = 5.0  # for a template's examples against its schema, at registration
 _STORED = {"stored": True}  # validation context: checked when it was added
 _CHECK_EXAMPLES = """
@@ -262,6 +335,8 @@ class BatchStore:
         self._stopped_unflagged = client.register_script(_STOPPED_BODY)
         self._flags: bool | None = None  # whether this Redis reads script flags (7 and later)
         self._forget = client.register_script(_FORGET)
+        self._start = client.register_script(_START)
+        self._split = client.register_script(_SPLIT)
         self._take = client.register_script(_TAKE)
 
     @classmethod
@@ -329,21 +404,33 @@ class BatchStore:
         return f"{self.prefix}:batch:{batch}" + (f":{part}" if part else "")
 
     # -- producer side
-    def create(self, batch: str, fmt: str, source: str | None = None, queue: str = "") -> bool:
+    def create(
+        self,
+        batch: str,
+        fmt: str,
+        source: str | None = None,
+        queue: str = "",
+        expected: int | None = None,
+    ) -> bool:
         """Open a batch; an existing one keeps its counters (more jobs may be added to it).
-        ``queue``: where its jobs go, so a reader can tell whether any worker consumes it."""
+        ``queue``: where its jobs go, so a reader can tell whether any worker consumes it.
+        ``expected``: about how many jobs it will hold, when known; its done map is then split
+        into parts of ``MARKS_PER_SHARD`` marks, which Redis stores compactly (a batch keeps the
+        split it was made with)."""
         check_batch_id(batch)
         now = time.time()
         fields: dict[str, Any] = {"total": 0, "completed": 0, "failed": 0, "rejected": 0}
         fields.update(sealed=0, created_at=now, format=fmt, source=source or "", queue=queue)
         key = self.key(batch)
-        pipe = self.r.pipeline()
+        pipe = self.r.pipeline()  # one transaction: no claim sees the batch before its split
+        shards = max(1, math.ceil((expected or 0) / MARKS_PER_SHARD))
+        self._split(keys=[key], args=[shards], client=pipe)
         for name, value in fields.items():
             pipe.hsetnx(key, name, value)
         pipe.hset(key, "sealed", 0)
         pipe.hdel(key, "error")  # submitted again: whatever stopped it before is past
         pipe.expire(key, self.ttl_s)
-        return bool(pipe.execute()[0])
+        return bool(pipe.execute()[1])
 
     def claim(self, batch: str, job_ids: list[str]) -> list[int]:
         """Count ``job_ids`` into the batch's total, each id once ever; one flag per id:
@@ -442,9 +529,36 @@ class BatchStore:
         paused, options, _ = pipe.execute()
         return json.loads(options or "{}") if paused == "1" else None
 
+    def shards(self, batch: str) -> int:
+        """How many parts the batch's done map has (1: the one hash ``{b}:done``)."""
+        return int(self.r.hget(self.key(batch), "shards") or 1)
+
+    def mark_keys(self, batch: str, shards: int | None = None) -> list[str]:
+        """The keys of the batch's done map, in part order."""
+        n = self.shards(batch) if shards is None else shards
+        base = self.key(batch, "done")
+        return [base] if n <= 1 else [f"{base}:{k}" for k in range(n)]
+
+    def mark_key(self, batch: str, job_id: str, shards: int | None = None) -> str:
+        """The key holding ``job_id``'s done mark."""
+        n = self.shards(batch) if shards is None else shards
+        base = self.key(batch, "done")
+        return base if n <= 1 else f"{base}:{mark_shard(job_id, n)}"
+
+    def marks(self, batch: str, job_ids: list[str]) -> list[str | None]:
+        """Each id's done mark: None never sent, "" sent and not done, else its result's
+        stream entry; one round trip after the batch's split is read."""
+        n = self.shards(batch)
+        pipe = self.r.pipeline(transaction=False)
+        for ident in job_ids:
+            pipe.hget(self.mark_key(batch, ident, n), ident)
+        return list(pipe.execute())
+
     def delete(self, batch: str) -> None:
-        parts = ("", "done", "results", "attempts")
-        self.r.delete(*(self.key(batch, p) for p in parts))
+        keys = [self.key(batch, p) for p in ("results", "attempts")] + self.mark_keys(batch)
+        keys.append(self.key(batch))  # last: the split is read from it
+        for i in range(0, len(keys), 1000):
+            self.r.delete(*keys[i : i + 1000])
 
     def seal(self, batch: str, rejected: int = 0, fed_all: bool = False) -> None:
         """Mark submission finished: from now on ``total`` is final, and waiting can end.
@@ -559,20 +673,14 @@ class BatchStore:
                 yield res
 
     def has_result(self, batch: str, job_id: str) -> bool:
-        return bool(self.r.hget(self.key(batch, "done"), job_id))
+        return bool(self.marks(batch, [job_id])[0])
 
     def start(self, batch: str, job_id: str) -> tuple[bool, int, str | None]:
         """At each delivery, one round trip: (already has a result, deliveries started so far,
-        why the batch's unstarted jobs were withdrawn, if they were: ``withdraw``)."""
-        attempts = self.key(batch, "attempts")
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hget(self.key(batch, "done"), job_id)
-        pipe.hincrby(attempts, job_id, 1)
-        pipe.expire(attempts, self.ttl_s)
-        pipe.hget(self.key(batch), "withdrawn")
-        done, n, _, withdrawn = pipe.execute()
-        if done:  # a copy of a finished job: its count left with its result, and goes again
-            self.r.hdel(attempts, job_id)
+        why the batch's unstarted jobs were withdrawn, if they were: ``withdraw``). A copy of
+        a finished job is not counted: its count left with its result."""
+        keys = [self.key(batch), self.key(batch, "done"), self.key(batch, "attempts")]
+        done, n, withdrawn = self._start(keys=keys, args=[job_id, self.ttl_s])
         return bool(done), int(n), withdrawn or None
 
     def withdraw(self, batch: str, reason: str) -> bool:
@@ -603,20 +711,23 @@ class BatchStore:
             return 0
         fmt = "openai" if self.r.hget(self.key(batch), "format") == "openai" else "vqueue"
         error = JobError(type=reason, message=WITHDRAWN[reason])  # type: ignore[arg-type]
-        closed, cursor = 0, 0
-        while True:  # a page of ids at a time, their results in one round trip
-            cursor, page = self.r.hscan(self.key(batch, "done"), cursor, count=1000)
-            pipe = self.r.pipeline(transaction=False)
-            for ident in (i for i, entry in page.items() if not entry):
-                timings = Timings(enqueued_at=0.0, finished_at=time.time())
-                self.record(
-                    JobResult(id=ident, batch=batch, type="unknown", status="failed",
-                              timings=timings, error=error, format=fmt),
-                    pipe,
-                )  # fmt: skip
-            closed += sum(map(int, pipe.execute()))
-            if not cursor:
-                return closed
+        closed = 0
+        for marks in self.mark_keys(batch):
+            cursor = 0
+            while True:  # a page of ids at a time, their results in one round trip
+                cursor, page = self.r.hscan(marks, cursor, count=1000)
+                pipe = self.r.pipeline(transaction=False)
+                for ident in (i for i, entry in page.items() if not entry):
+                    timings = Timings(enqueued_at=0.0, finished_at=time.time())
+                    self.record(
+                        JobResult(id=ident, batch=batch, type="unknown", status="failed",
+                                  timings=timings, error=error, format=fmt),
+                        pipe,
+                    )  # fmt: skip
+                closed += sum(map(int, pipe.execute()))
+                if not cursor:
+                    break
+        return closed
 
     def withdrawn_many(self, batches: list[str]) -> list[str | None]:
         pipe = self.r.pipeline(transaction=False)
@@ -625,7 +736,7 @@ class BatchStore:
         return [x or None for x in pipe.execute()]
 
     def result(self, batch: str, job_id: str) -> JobResult | None:
-        entry = self.r.hget(self.key(batch, "done"), job_id)
+        entry = self.marks(batch, [job_id])[0]
         if not entry:
             return None
         got = self.r.xrange(self.key(batch, "results"), min=entry, max=entry)

@@ -148,3 +148,67 @@ def test_a_resubmitted_input_sends_only_what_is_not_queued_yet(redis_client: red
     finally:
         redis_client.delete(*lists)
         client.store.delete("again")
+
+
+def test_a_batch_of_known_size_keeps_its_done_marks_compact_and_each_path_reads_them(
+    redis_client: redis.Redis,
+) -> None:
+    # Given the same 2,000 jobs sent to two batches, one made with its size known (as
+    # `vqueue submit FILE` and `vqueue serve` make theirs) and one without (a Client call)
+    from producer import Client
+    from protocol.store import MARKS_PER_SHARD
+    from protocol.wire import queue_keys
+    from schemas import JobResult, Timings
+
+    queue = f"vqtest-{RUN}-marks"
+    client = Client(make_settings(queue))
+    store, lists = client.store, queue_keys(queue)
+    jobs = [{"id": f"job-{i:06d}", "type": "summarize", "text": f"Text {i}."} for i in range(2000)]
+    sized, plain = f"sized-{RUN}", f"plain-{RUN}"
+
+    def done(batch: str, ident: str) -> bool:
+        res = JobResult(id=ident, batch=batch, type="summarize", status="completed", text="ok",
+                        timings=Timings(enqueued_at=1.0))  # fmt: skip
+        return store.record(res)
+
+    try:
+        client.submit_many(jobs, batch=sized, expected=len(jobs))
+        client.submit_many(jobs, batch=plain)
+        for batch in (sized, plain):
+            for i in range(0, 2000, 2):
+                assert done(batch, f"job-{i:06d}")
+        # Then the sized batch's marks lie in parts Redis keeps as compact listpacks, in well
+        # under half the memory of the one hash, and each mark where the scripts look for it
+        parts = store.mark_keys(sized)
+        assert len(parts) == 2000 // MARKS_PER_SHARD + 1
+        assert {redis_client.object("encoding", k) for k in parts} == {"listpack"}
+        assert store.mark_keys(plain) == [store.key(plain, "done")]
+        store.create(plain, "vqueue", expected=2000)  # made again: its marks stay where they are
+        assert store.shards(plain) == 1
+        assert redis_client.object("encoding", store.key(plain, "done")) == "hashtable"
+        used = {
+            b: sum(redis_client.memory_usage(k) for k in store.mark_keys(b)) for b in (sized, plain)
+        }
+        assert used[sized] < used[plain] / 2, used
+        assert all(redis_client.ttl(k) > 0 for k in parts)
+        for batch in (sized, plain):
+            # a finished job's copy is a lookup, an unfinished one's delivery is counted
+            assert store.start(batch, "job-000000")[:2] == (True, 0)
+            assert store.start(batch, "job-000001")[:2] == (False, 1)
+            assert not done(batch, "job-000000")  # one result per job
+            assert store.has_result(batch, "job-000000") and store.result(batch, "job-000000")
+            assert store.marks(batch, ["job-000002", "job-000003", "nope"])[1:] == ["", None]
+            # a forced re-run withdraws a result, and the id counts once however often sent
+            assert store.forget(batch, "job-000000") and not store.has_result(batch, "job-000000")
+            assert store.claim(batch, ["job-000000", "job-000002", "job-999999"]) == [0, -1, 1]
+            assert store.status(batch).total == 2001  # type: ignore[union-attr]
+            # and a withdrawn batch closes each of its jobs that has no result, once
+            store.withdraw(batch, "cancelled")
+            assert store.close_unstarted(batch) == 1002
+            assert store.status(batch).done == 2001  # type: ignore[union-attr]
+        store.delete(sized)
+        assert not any(redis_client.exists(k) for k in parts)
+    finally:
+        redis_client.delete(*lists)
+        store.delete(sized)
+        store.delete(plain)
