@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sized
 from typing import Any
 
 import redis
@@ -346,9 +346,11 @@ class Client:
         ``jobs``; given, the batch records with each chunk how many are sent
         (``BatchStore.fed_position``), so a feed whose process dies resumes where it stopped.
         ``expected``: about how many jobs the batch will hold, when known, so a new batch's
-        done marks are stored compactly (``BatchStore.create``).
+        done marks are stored compactly (``BatchStore.create``); ``len(jobs)`` where it has one.
         """
         batch_id = batch or new_batch_id()
+        if expected is None and isinstance(jobs, Sized):
+            expected = len(jobs)
         self.store.create(batch_id, "vqueue", source, queue=self.settings.queue, expected=expected)
         if position is not None:
             self.store.feed_start(batch_id, f"{socket.gethostname()}:{os.getpid()}")

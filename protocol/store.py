@@ -139,7 +139,7 @@ return flags
 # already: pushing it again would only run it twice at once. It goes again when the caller
 # knows that message is gone (a forced re-run withdrew its result; a lost job is resent).
 # Redis (6 and 7 alike) refuses a script's write for memory only until its first write has
-# run, and the first command here is a write: out of memory, the chunk is refused before
+# run, and only reads come before the first claim: out of memory, the chunk is refused before
 # anything is written, else it runs whole. So a chunk is never counted without its messages in
 # the queue, nor its position moved.
 _CLAIM_SEND = (
@@ -671,9 +671,6 @@ class BatchStore:
             after = page[-1][0]
             for _, res in page:
                 yield res
-
-    def has_result(self, batch: str, job_id: str) -> bool:
-        return bool(self.marks(batch, [job_id])[0])
 
     def start(self, batch: str, job_id: str) -> tuple[bool, int, str | None]:
         """At each delivery, one round trip: (already has a result, deliveries started so far,

@@ -154,7 +154,8 @@ def test_a_batch_of_known_size_keeps_its_done_marks_compact_and_each_path_reads_
     redis_client: redis.Redis,
 ) -> None:
     # Given the same 2,000 jobs sent to two batches, one made with its size known (as
-    # `vqueue submit FILE` and `vqueue serve` make theirs) and one without (a Client call)
+    # `vqueue submit FILE`, `vqueue serve` and a Client given a list make theirs) and one
+    # without (a Client given an iterator)
     from producer import Client
     from protocol.store import MARKS_PER_SHARD
     from protocol.wire import queue_keys
@@ -172,8 +173,8 @@ def test_a_batch_of_known_size_keeps_its_done_marks_compact_and_each_path_reads_
         return store.record(res)
 
     try:
-        client.submit_many(jobs, batch=sized, expected=len(jobs))
-        client.submit_many(jobs, batch=plain)
+        client.submit_many(jobs, batch=sized)
+        client.submit_many(iter(jobs), batch=plain)
         for batch in (sized, plain):
             for i in range(0, 2000, 2):
                 assert done(batch, f"job-{i:06d}")
@@ -196,10 +197,10 @@ def test_a_batch_of_known_size_keeps_its_done_marks_compact_and_each_path_reads_
             assert store.start(batch, "job-000000")[:2] == (True, 0)
             assert store.start(batch, "job-000001")[:2] == (False, 1)
             assert not done(batch, "job-000000")  # one result per job
-            assert store.has_result(batch, "job-000000") and store.result(batch, "job-000000")
+            assert store.result(batch, "job-000000") is not None
             assert store.marks(batch, ["job-000002", "job-000003", "nope"])[1:] == ["", None]
             # a forced re-run withdraws a result, and the id counts once however often sent
-            assert store.forget(batch, "job-000000") and not store.has_result(batch, "job-000000")
+            assert store.forget(batch, "job-000000") and store.result(batch, "job-000000") is None
             assert store.claim(batch, ["job-000000", "job-000002", "job-999999"]) == [0, -1, 1]
             assert store.status(batch).total == 2001  # type: ignore[union-attr]
             # and a withdrawn batch closes each of its jobs that has no result, once
