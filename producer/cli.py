@@ -203,7 +203,7 @@ def submit(
     this process dies, the same command with --batch ID resumes the feed where it stopped.
     """
     from .client import new_batch_id
-    from .inputs import Parsed, count_lines, parse_line, parse_lines, read_lines
+    from .inputs import Parsed, expected_lines, parse_line, parse_lines, read_lines
 
     share = None
     if canary is not None:
@@ -241,7 +241,7 @@ def submit(
         bar = _bar(quiet, total=size, unit="B", unit_scale=True, desc="submit")
         created = client.store.create(
             batch, "vqueue", source=source, queue=client.settings.queue,
-            expected=count_lines(source) if source and os.path.isfile(source) else None,
+            expected=expected_lines(source) if source and os.path.isfile(source) else None,
         )  # fmt: skip
         good = rejected = 0
 

@@ -4,7 +4,9 @@ Celery's own, and its reader must see every result a worker stores."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 import redis
 
 from protocol.wire import queue_key, task_message
@@ -213,3 +215,21 @@ def test_a_batch_of_known_size_keeps_its_done_marks_compact_and_each_path_reads_
         redis_client.delete(*lists)
         store.delete(sized)
         store.delete(plain)
+
+
+@pytest.mark.unit
+def test_a_files_size_is_known_before_its_first_job_without_reading_a_big_one_twice(
+    tmp_path: Path,
+) -> None:
+    from producer.inputs import COUNTED_BYTES, expected_lines
+
+    # Given a small input file, and one past the size that is counted
+    small, big = tmp_path / "small.jsonl", tmp_path / "big.jsonl"
+    small.write_bytes(b'{"type": "summarize", "text": "x"}\n' * 1000)
+    line = b'{"type": "summarize", "text": "' + b"y" * 200 + b'"}\n'
+    n = COUNTED_BYTES // len(line) + 1000
+    big.write_bytes(line * n)
+    # Then the small one's lines are counted (a last line without its newline counts too), and
+    # the big one's are estimated from its head, never below what it holds
+    assert 1000 <= expected_lines(str(small)) <= 1001
+    assert n <= expected_lines(str(big)) <= 2 * n
