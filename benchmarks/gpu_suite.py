@@ -17,6 +17,9 @@ rounds; the order of the systems rotates from round to round):
                 every result (the clock runs from the first submit to the last result read).
   vqueue no-monitor  (only when named in ``--systems``) the same worker and jobs, each with
                 ``early_stop: false``: the confidence monitor's own share of a row.
+  vqueue@NAME=VALUE[;NAME=VALUE]  (only when named) one more worker with an engine of its
+                own, started with ``VQUEUE_NAME=VALUE``: a worker setting against raw vLLM and
+                the default worker in the same rounds (``vqueue@INTAKE_PROCESSES=2``).
 
 Equal work: the same prompts and sampling; output lengths fixed with ``ignore_eos``/``min_tokens``
 (a random-weights model rarely stops). Guided JSON cannot be forced past its end, and vqueue runs
@@ -47,6 +50,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -54,6 +58,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -71,6 +76,19 @@ RAW = SYSTEMS[:2]
 # the same worker and jobs with the confidence monitor off (each job's ``early_stop: false``):
 # what the monitor itself costs a row, told apart from the queue path in the same rounds
 QUEUED = SYSTEMS[2:]
+# "vqueue@NAME=VALUE[;NAME=VALUE]": one more worker of its own, started with VQUEUE_NAME=VALUE
+# in its environment (e.g. vqueue@INTAKE_PROCESSES=2), run in the same rounds as the others:
+# a worker setting measured against raw vLLM and the default worker on the same card
+VARIANT = "vqueue@"
+
+
+def queued(system: str) -> bool:
+    return system in QUEUED or system.startswith(VARIANT)
+
+
+def variant_env(system: str) -> dict[str, str]:
+    pairs = (x.split("=", 1) for x in system[len(VARIANT) :].split(";") if x)
+    return {f"VQUEUE_{k.strip().upper()}": v.strip() for k, v in pairs}
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -656,7 +674,7 @@ class RawChild:
 class Vqueue:
     """A worker on the same GPU, and the producer that feeds it."""
 
-    def __init__(self, a: argparse.Namespace) -> None:
+    def __init__(self, a: argparse.Namespace, **extra: str) -> None:
         env = dict(
             VQUEUE_MAX_MODEL_LEN=str(a.max_model_len),
             VQUEUE_GPU_MEMORY_UTILIZATION=str(a.gpu_memory_utilization),
@@ -666,10 +684,13 @@ class Vqueue:
         )
         if a.kv_cache_bytes:
             env["VQUEUE_KV_CACHE_MEMORY_BYTES"] = str(a.kv_cache_bytes)
+        env.update(extra)
         port = free_port()
         env["VQUEUE_METRICS_PORT"] = str(port)
         self.metrics_url = f"http://127.0.0.1:{port}/metrics"
-        w = own_worker("bench", a.model, a.redis, Path(a.out) / "vqueue-worker.log",
+        tag = "".join(f"-{k.removeprefix('VQUEUE_').lower()}={v}" for k, v in extra.items())
+        log = "vqueue-worker" + re.sub(r"[^\w=.-]", "_", tag) + ".log"  # a log per variant
+        w = own_worker("bench", a.model, a.redis, Path(a.out) / log,
                        "-l", "WARNING", **env)  # fmt: skip
         self.proc, self.log, self.start_s, self.client = w.proc, w.log, w.start_s, w.client
         self.a = a
@@ -822,7 +843,7 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
     round (median), and the equal-work check. Returns the summary rows and the failed checks."""
     problems: list[str] = []
     for r in rows:
-        if r["system"] not in QUEUED:
+        if not queued(r["system"]):
             continue
         raws = [
             x
@@ -845,7 +866,7 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
                 )
     out = []
     for w in dict.fromkeys(r["workload"] for r in rows):
-        for s in SYSTEMS:
+        for s in dict.fromkeys([*SYSTEMS, *(r["system"] for r in rows)]):
             rs = [r for r in rows if r["workload"] == w and r["system"] == s]
             if not rs:
                 continue
@@ -881,7 +902,7 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
                 "cpu_s_other": _median(r.get("cpu_s_other") for r in rs),
                 "host_cores_busy": _median(r.get("host_cores_busy") for r in rs),
             }
-            if s in QUEUED and any("ratio_vs_raw" in r for r in rs):
+            if queued(s) and any("ratio_vs_raw" in r for r in rs):
                 summary["ratio_vs_raw"] = statistics.median(
                     r["ratio_vs_raw"] for r in rs if "ratio_vs_raw" in r
                 )
@@ -1056,7 +1077,7 @@ def main() -> None:
         ap.error("--model is required")
     a.workloads = a.workloads.split(",")
     a.systems = [x.strip() for x in a.systems.split(",")]
-    if unknown := set(a.systems) - set(SYSTEMS):
+    if unknown := {s for s in a.systems if s not in SYSTEMS and not s.startswith(VARIANT)}:
         ap.error(f"unknown systems: {sorted(unknown)}")
     if a.start_together and not a.kv_cache_bytes:
         ap.error("--start-together needs --kv-cache-bytes: an engine sizing its KV cache from "
@@ -1115,27 +1136,36 @@ def main() -> None:
     # fixed and both engines' shares free, --start-together starts them at once.
     raw = RawChild(a, env, wait=not a.start_together)
     vq = None
+    vqs: dict[str, Vqueue] = {}
     rows: list[dict[str, Any]] = []
     try:
         if not a.start_together:
             meta.update(raw.info, raw_process_start_s=time.perf_counter() - t)
-        vq = Vqueue(a)
+        # the default worker and each variant start at once, each with its own engine
+        variants = [s for s in a.systems if s.startswith(VARIANT)]
+        with ThreadPoolExecutor(1 + len(variants)) as pool:
+            starting = {s: pool.submit(Vqueue, a, **variant_env(s)) for s in ["vqueue", *variants]}
+            vqs = {s: f.result() for s, f in starting.items()}
+        vq = vqs["vqueue"]
         if a.start_together:
             raw.ready()
             meta.update(raw.info, raw_process_start_s=time.perf_counter() - t)
             meta["started_together"] = True
         meta["vqueue_start_s"] = vq.start_s
+        meta.update({f"{v}_start_s": vqs[v].start_s for v in variants})
         first = [w for w in vq.client.store.workers() if not w.get("intake_of")]
         meta["vqueue_intake_processes"] = first[0].get("intake_processes", 1) if first else None
         import vllm
 
         meta["vllm"] = vllm.__version__
-        systems = [s for s in SYSTEMS if s in a.systems]
+        systems = [s for s in SYSTEMS if s in a.systems] + variants
+        on = {s: vqs.get(s, vq) for s in systems if queued(s)}  # the worker each system runs on
         for name, jobs in loads[0].items():  # round 0: every workload warm on every system
             for s in systems:
-                _ = vq.run(name, jobs, 0, s) if s in QUEUED else raw.run(s, name, 0)
+                _ = on[s].run(name, jobs, 0, s) if queued(s) else raw.run(s, name, 0)
         round_s = 0.0
-        cpu_vq, cpu_raw = CpuTree(vq.proc.pid), CpuTree(raw.proc.pid)
+        cpu = {s: CpuTree(on[s].proc.pid) for s in on}
+        cpu_raw = CpuTree(raw.proc.pid)
         for rnd in range(1, last + 1):
             if a.budget_s and time.perf_counter() - began + round_s > a.budget_s:
                 print(f"round {rnd} would end past --budget-s; stopping", flush=True)
@@ -1149,12 +1179,12 @@ def main() -> None:
                     time.sleep(a.pause_s)
                     if profiled:  # every process samples itself during this run only
                         (prof / "on").write_text(part)
-                    tree = cpu_vq if s in QUEUED else cpu_raw
+                    tree = cpu.get(s, cpu_raw)
                     before = tree.snapshot()
                     t_run = time.time()
-                    if s in QUEUED:
+                    if queued(s):
                         mine = own[rnd][name] if s == "vqueue no-monitor" else jobs
-                        r = vq.run(name, mine, rnd, s)
+                        r = on[s].run(name, mine, rnd, s)
                     else:
                         r = raw.run(s, name, rnd)
                     r.update(started_at=t_run, **gpu.during(t_run, time.time()))
@@ -1177,8 +1207,8 @@ def main() -> None:
                 meta["options_check"] = {"failed": repr(exc)}
             print(json.dumps({"options_check": meta["options_check"]}), flush=True)
     finally:
-        if vq is not None:
-            vq.close()
+        for w in vqs.values():
+            w.close()
         raw.close()
     text, problems = write(out, meta, rows)
     print(text)
