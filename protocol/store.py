@@ -709,22 +709,38 @@ class BatchStore:
         fmt = "openai" if self.r.hget(self.key(batch), "format") == "openai" else "vqueue"
         error = JobError(type=reason, message=WITHDRAWN[reason])  # type: ignore[arg-type]
         closed = 0
-        for marks in self.mark_keys(batch):
-            cursor = 0
-            while True:  # a page of ids at a time, their results in one round trip
-                cursor, page = self.r.hscan(marks, cursor, count=1000)
-                pipe = self.r.pipeline(transaction=False)
-                for ident in (i for i, entry in page.items() if not entry):
-                    timings = Timings(enqueued_at=0.0, finished_at=time.time())
-                    self.record(
-                        JobResult(id=ident, batch=batch, type="unknown", status="failed",
-                                  timings=timings, error=error, format=fmt),
-                        pipe,
-                    )  # fmt: skip
-                closed += sum(map(int, pipe.execute()))
-                if not cursor:
-                    break
+        for page in self._mark_pages(batch):  # their results in one round trip a page
+            pipe = self.r.pipeline(transaction=False)
+            for ident in (i for i, entry in page.items() if not entry):
+                timings = Timings(enqueued_at=0.0, finished_at=time.time())
+                self.record(
+                    JobResult(id=ident, batch=batch, type="unknown", status="failed",
+                              timings=timings, error=error, format=fmt),
+                    pipe,
+                )  # fmt: skip
+            closed += sum(map(int, pipe.execute()))
         return closed
+
+    def _mark_pages(self, batch: str, size: int = 1000) -> Iterator[dict[str, str]]:
+        """The batch's done map, about ``size`` ids a page: the one hash by ``HSCAN``; parts of
+        about ``MARKS_PER_SHARD`` ids whole, as many a round trip as make a page."""
+        keys = self.mark_keys(batch)
+        if len(keys) == 1:
+            cursor = 0
+            while True:
+                cursor, scanned = self.r.hscan(keys[0], cursor, count=size)
+                yield scanned
+                if not cursor:
+                    return
+        step = max(1, size // MARKS_PER_SHARD)
+        for i in range(0, len(keys), step):
+            pipe = self.r.pipeline(transaction=False)
+            for k in keys[i : i + step]:
+                pipe.hgetall(k)
+            page: dict[str, str] = {}
+            for part in pipe.execute():
+                page.update(part)
+            yield page
 
     def withdrawn_many(self, batches: list[str]) -> list[str | None]:
         pipe = self.r.pipeline(transaction=False)
