@@ -170,8 +170,15 @@ def run_job(
                 result.timings.finished_at = time.time()
                 return result
         keeper = cache if key else None  # the cache this job's answer goes to
+        plan = JobPlan(
+            job=job, engine=engine, settings=settings, prompt=prompt, max_tokens=max_tokens,
+            room=room, grammar=grammar, deadline=deadline, prefix_key=env.prefix_key,
+            salt=env.tenant, batch=env.batch, lora=engine.adapters.get(result.model or ""),
+            policy=early_stop_policy(job, settings),
+            loops=loop_detection(job, settings, engine.plan),
+        )  # fmt: skip
         try:
-            _run(job, engine, settings, env, result, prompt, max_tokens, room, grammar, deadline)
+            _run(plan, result)
         except JobFailed as exc:
             if keeper is not None and exc.type in REPEATED_FAILURES:  # its answer, failed
                 result.status = "failed"
@@ -200,28 +207,44 @@ def run_job(
     return result
 
 
-def _run(
-    job: Any,
-    engine: EngineHost,
-    settings: Settings,
-    env: Envelope,
-    result: JobResult,
-    prompt: list[int],
-    max_tokens: int,
-    room: int,
-    grammar: dict[str, Any] | None,
-    deadline: float,
-) -> None:
+@dataclasses.dataclass(frozen=True)
+class JobPlan:
+    """What every run of one job shares, decided once before the first: the job as it goes to
+    the engine (cleaned, templated, fitted), its prompt's token ids, its answer's budget, its
+    grammar, deadline and early-stop and loop policies. A later run changes only what it must
+    (``dataclasses.replace``): more room for a cut-off JSON answer, a new seed for a retry, no
+    prefix key once the first run has placed the prefix."""
+
+    job: Any
+    engine: EngineHost
+    settings: Settings
+    prompt: list[int]
+    max_tokens: int
+    room: int  # the context left after the prompt: the most any answer may take
+    grammar: dict[str, Any] | None  # the schema guided decoding compiles
+    deadline: float  # monotonic: every run of the job ends by it
+    prefix_key: str | None  # the first run's, for the engine's prefix grouping
+    salt: str | None  # the tenant: vLLM's ``cache_salt``
+    batch: str
+    lora: Any
+    policy: EarlyStop | None  # None: the job is not monitored
+    loops: Any  # vLLM's ``RepetitionDetectionParams``, None where loops are not watched
+
+    def then(self, **changes: Any) -> JobPlan:
+        """The plan of a later run: no prefix key (the first run placed it), and ``changes``."""
+        return dataclasses.replace(self, prefix_key=None, **changes)
+
+
+def _run(plan: JobPlan, result: JobResult) -> None:
     """Generate and check the job's answer into ``result`` (a failure raises)."""
+    job = plan.job
     if isinstance(job, ChatJob) and job.n > 1:
-        _choices(job, engine, settings, prompt, max_tokens, room, env, result, grammar,
-                 deadline)  # fmt: skip
+        _choices(plan, result)
     elif isinstance(job, CodegenJob) and job.tests is not None:
-        _tested(job, engine, settings, prompt, max_tokens, room, env.prefix_key, result,
-                deadline, env.tenant)  # fmt: skip
+        _tested(plan, result)
     else:
-        _answer(job, engine, settings, prompt, max_tokens, room, env.prefix_key, result,
-                grammar, deadline, env.tenant)  # fmt: skip
+        _answer(plan, result)
+    engine = plan.engine
     if isinstance(job, ChatJob) and (
         job.forces_call() or (job.tools and job.tool_choice != "none" and engine.tool_calls)
     ):
@@ -289,33 +312,17 @@ def _tool_calls(job: ChatJob, reader: ToolCallReader | None, result: JobResult) 
             answer.finish_reason = "tool_calls"
 
 
-def _answer(
-    job: Any,
-    engine: EngineHost,
-    settings: Settings,
-    prompt: list[int],
-    max_tokens: int,
-    room: int,
-    prefix_key: str | None,
-    result: JobResult,
-    grammar: dict[str, Any] | None,
-    deadline: float,
-    salt: str | None,
-) -> None:
+def _answer(plan: JobPlan, result: JobResult) -> None:
     """The job's answer into ``result``: generated, run once more if its JSON was cut off with
     room left, and checked (``_read_output``); a failure raises ``JobFailed``."""
-    gen = generate(
-        job, engine, settings, prompt, max_tokens, prefix_key, result, grammar, deadline, salt
-    )
-    cut = 0
-    if _wants_json(job) and gen.finish_reason == "length" and room > max_tokens:
+    gen = generate(plan, result)
+    cut, max_tokens = 0, plan.max_tokens
+    if _wants_json(plan.job) and gen.finish_reason == "length" and plan.room > max_tokens:
         # JSON cut off: once more with twice the room; what the first run wrote is lost
         cut = gen.completion_tokens
-        max_tokens = min(2 * max_tokens, room)
+        max_tokens = min(2 * max_tokens, plan.room)
         result.timings.previous_finished_at = gen.finished_at
-        gen = generate(
-            job, engine, settings, prompt, max_tokens, None, result, grammar, deadline, salt
-        )
+        gen = generate(plan.then(max_tokens=max_tokens), result)
     result.text = gen.text
     result.finish_reason = gen.finish_reason
     result.logprobs = gen.logprobs
@@ -331,21 +338,10 @@ def _answer(
     t = result.timings
     t.sent_at, t.submitted_at, t.scheduled_at = gen.sent_at, gen.submitted_at, gen.scheduled_at
     t.first_token_at, t.preemptions = gen.first_token_at, gen.preemptions
-    _read_output(job, gen.text, gen.finish_reason, result, max_tokens, cut)
+    _read_output(plan.job, gen.text, gen.finish_reason, result, max_tokens, cut)
 
 
-def _tested(
-    job: CodegenJob,
-    engine: EngineHost,
-    settings: Settings,
-    prompt: list[int],
-    max_tokens: int,
-    room: int,
-    prefix_key: str | None,
-    result: JobResult,
-    deadline: float,
-    salt: str | None,
-) -> None:
+def _tested(plan: JobPlan, result: JobResult) -> None:
     """A codegen job with tests: answer, run the answer's code against the tests in the
     sandbox, and answer again (a new seed; a greedy job samples at
     ``codegen_retry_temperature``) until one passes or ``max_attempts`` have run. The result
@@ -354,22 +350,23 @@ def _tested(
     problem = sandbox_problem()
     if problem is not None:
         raise JobFailed("sandbox_unavailable", f"this worker cannot run tests: {problem}")
+    job, settings = plan.job, plan.settings
     result.tests = report = TestReport(passed=False, attempts=[])
     thrown = 0
     for k in range(job.max_attempts):
-        run = job
+        run = plan
         if k:
             thrown += result.usage.completion_tokens + result.usage.wasted_tokens
             result.timings.previous_finished_at = time.time()
             seed = retry_seed(job, k)
             temperature = job.temperature or settings.codegen_retry_temperature
-            run = job.model_copy(update={"seed": seed, "temperature": temperature})
-        _answer(run, engine, settings, prompt, max_tokens, room, prefix_key if k == 0 else None,
-                result, None, deadline, salt)  # fmt: skip
+            run = plan.then(job=job.model_copy(update={"seed": seed, "temperature": temperature}))
+        _answer(run, result)
         outcome = run_tests(result.code or "", job.tests or "", job.entry_point, settings)
         report.attempts.append(TestAttempt(
             n=k + 1, outcome=outcome.outcome, detail=outcome.detail, seconds=outcome.seconds,
-            tokens=result.usage.completion_tokens, temperature=run.temperature, seed=run.seed,
+            tokens=result.usage.completion_tokens, temperature=run.job.temperature,
+            seed=run.job.seed,
         ))  # fmt: skip
         if outcome.outcome == "passed":
             report.passed = True
@@ -399,37 +396,25 @@ def _choice_threads(settings: Settings) -> concurrent.futures.ThreadPoolExecutor
         return _choice_pool
 
 
-def _choices(
-    job: ChatJob,
-    engine: EngineHost,
-    settings: Settings,
-    prompt: list[int],
-    max_tokens: int,
-    room: int,
-    env: Envelope,
-    result: JobResult,
-    grammar: dict[str, Any] | None,
-    deadline: float,
-) -> None:
+def _choices(plan: JobPlan, result: JobResult) -> None:
     """OpenAI's ``n``: the prompt answered ``n`` times at once, each its own request (its
     prefix cached after the first) read as a job's one answer is. The first answer is the
     result's own ``text``; all of them are in ``choices``. One choice failing fails the job,
     naming the choice."""
+    job = plan.job
     runs = [result] + [result.model_copy(deep=True) for _ in range(job.n - 1)]
 
     def one(k: int) -> None:
-        seeded = job
+        run = plan if k == 0 else plan.then()
         if job.seed is not None:  # the k-th answer's seed, kept within vLLM's 64 bits
             seed = job.seed + k if job.seed + k < 2**63 else job.seed - k
-            seeded = job.model_copy(update={"seed": seed})
-        key = env.prefix_key if k == 0 else None
+            run = dataclasses.replace(run, job=job.model_copy(update={"seed": seed}))
         try:
-            _answer(seeded, engine, settings, prompt, max_tokens, room, key, runs[k], grammar,
-                    deadline, env.tenant)  # fmt: skip
+            _answer(run, runs[k])
         except JobFailed as exc:
             raise JobFailed(exc.type, f"choice {k}: {exc.message}") from None
 
-    pool = _choice_threads(settings)
+    pool = _choice_threads(plan.settings)
     rest = [pool.submit(one, k) for k in range(1, job.n)]
     try:
         one(0)
@@ -468,42 +453,24 @@ def early_stop_policy(job: Any, settings: Settings) -> EarlyStop | None:
     return policy if policy.enabled else None
 
 
-def generate(
-    job: Any,
-    engine: EngineHost,
-    settings: Settings,
-    prompt: list[int],
-    max_tokens: int,
-    prefix_key: str | None,
-    result: JobResult,
-    grammar: dict[str, Any] | None = None,
-    deadline: float | None = None,
-    salt: str | None = None,
-) -> Generation:
-    """Generate the job's answer. The engine ends a generation that loops (``loop_detection``);
+def generate(plan: JobPlan, result: JobResult) -> Generation:
+    """Generate the job's answer. The engine ends a generation that loops (``plan.loops``);
     the job then runs again with a frequency penalty on its own tokens, at most ``loop_retries``
     times, every run recorded in ``result.attempts``; a job that looped in an earlier call (its
     cut-off JSON run again with more room) starts with the penalty, or it loops again from the
     same start. Under early stop each run is itself attempt after attempt until one is not
-    aborted. All of them end by ``deadline`` (monotonic; default: the job's timeout from now).
-    ``grammar``: the schema the guided decoding compiles (``structured.generation_schema``).
-    ``salt``: the job's tenant, vLLM's ``cache_salt``: a prefix is cached for its tenant only."""
-    if deadline is None:
-        limit = min(job.timeout_s or settings.job_timeout_s, settings.job_timeout_s)
-        deadline = time.monotonic() + limit
-    loops = loop_detection(job, settings, engine.plan)
+    aborted. All of them end by ``plan.deadline``."""
+    settings = plan.settings
     looped = any(a.reason == "loop" for a in result.attempts)
     penalty = settings.loop_retry_frequency_penalty if looped else 0.0
-    for retry in range(settings.loop_retries + 1):
-        key = prefix_key if retry == 0 else None
-        gen = _attempts(
-            job, engine, settings, prompt, max_tokens, key, result, grammar, deadline, loops,
-            penalty, salt,
-        )  # fmt: skip
+    run = plan
+    for _ in range(settings.loop_retries + 1):
+        gen = _attempts(run, result, penalty)
         if gen.finish_reason != "repetition":
             return gen
         penalty = settings.loop_retry_frequency_penalty
         result.timings.previous_finished_at = gen.finished_at
+        run = plan.then()
     return gen  # every run looped: the caller reports it
 
 
@@ -571,33 +538,26 @@ def loop_detection(job: Any, settings: Settings, plan: Plan | None = None) -> An
     )
 
 
-def _attempts(
-    job: Any,
-    engine: EngineHost,
-    settings: Settings,
-    prompt: list[int],
-    max_tokens: int,
-    prefix_key: str | None,
-    result: JobResult,
-    grammar: dict[str, Any] | None,
-    deadline: float,
-    loops: Any,
-    penalty: float,
-    salt: str | None = None,
-) -> Generation:
+def _attempts(plan: JobPlan, result: JobResult, penalty: float) -> Generation:
     """One run of the job: a single generation, or under early stop attempts until one is not
     aborted. A run is recorded in ``result.attempts`` when the job is monitored, when it
     looped, or when it is the retry after a loop."""
-    policy = early_stop_policy(job, settings)
+    job, engine, policy = plan.job, plan.engine, plan.policy
+
+    def once(temperature: float, seed: int | None, key: str | None, monitor: Any) -> Generation:
+        params = sampling_params(
+            job, plan.max_tokens, temperature, seed, plan.grammar, plan.loops, penalty
+        )
+        return _as_loop(engine.generate(
+            plan.prompt, params, _left(plan.deadline), key, monitor, priority=job.priority,
+            batch=plan.batch, salt=plan.salt, lora=plan.lora,
+        ), plan.loops)  # fmt: skip
+
     if policy is None:
         temperature, seed = job.temperature, job.seed
         if penalty and job.temperature > 0:  # a sampled job retries with a new seed too
             seed = retry_seed(job, 1)
-        params = sampling_params(job, max_tokens, temperature, seed, grammar, loops, penalty)
-        gen = _as_loop(engine.generate(
-            prompt, params, _left(deadline), prefix_key, priority=job.priority,
-            batch=result.batch, salt=salt, lora=engine.adapters.get(result.model or ""),
-        ), loops)  # fmt: skip
+        gen = once(temperature, seed, plan.prefix_key, None)
         if penalty or gen.finish_reason == "repetition":
             result.attempts.append(_attempt(result, gen, temperature, seed, penalty))
         return gen
@@ -607,13 +567,7 @@ def _attempts(
         # vLLM does not stop a request short of min_tokens: no abort before them either
         grace = max(policy.grace_tokens, job.min_tokens)
         monitor = Monitor(policy.threshold, policy.window, grace, abort=k < last)
-        params = sampling_params(job, max_tokens, temperature, seed, grammar, loops, penalty)
-        left = _left(deadline)
-        key = prefix_key if k == 0 else None
-        gen = _as_loop(engine.generate(
-            prompt, params, left, key, monitor, priority=job.priority, batch=result.batch,
-            salt=salt, lora=engine.adapters.get(result.model or ""),
-        ), loops)  # fmt: skip
+        gen = once(temperature, seed, plan.prefix_key if k == 0 else None, monitor)
         result.attempts.append(_attempt(result, gen, temperature, seed, penalty))
         if not gen.aborted:
             result.low_confidence = result.attempts[-1].low_confidence
