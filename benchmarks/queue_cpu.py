@@ -4,7 +4,8 @@
    through ``vqueue submit`` on a JSONL file (parsing and validation included); no worker runs.
 2. Queue overhead: a real Celery worker process whose engine is an instant STUB
    (``benchmarks/stub_engine.py``), so the time per job is the queue path alone: publish,
-   delivery, task dispatch, prompt building, result recording, result streaming.
+   delivery, task dispatch, prompt building, result recording, result streaming; and the CPU
+   it took per job, by process (the worker's, the producer's, Redis's).
 3. A job past Celery: the worker's own per-job work (envelope, start check, ``run_job``,
    record) in one thread on the same STUB engine, by part: what a worker would still pay per
    job if Celery cost nothing.
@@ -93,7 +94,11 @@ def submit_rate(url: str, n: int) -> dict:
     }
 
 
-def stub_overhead(url: str, n: int, concurrency: int) -> dict:
+def stub_overhead(url: str, n: int, concurrency: int, redis_pid: int | None = None) -> dict:
+    """The queue path end to end, and where its CPU went per job from the first submit to the
+    last result read: the worker's processes, this producer, and Redis (``redis_pid``)."""
+    from .gpu_suite import CpuTree
+
     r = redis.Redis.from_url(url)
     r.flushdb()
     env = dict(
@@ -123,11 +128,21 @@ def stub_overhead(url: str, n: int, concurrency: int) -> dict:
                 )
             time.sleep(0.2)
         client = Client(settings(url, "bench-stub"))
+        trees = {"worker": CpuTree(proc.pid)}
+        if redis_pid:
+            trees["redis"] = CpuTree(redis_pid)
+        before = {k: v.snapshot() for k, v in trees.items()}
+        mine = time.process_time()
         t = time.perf_counter()
         batch = client.submit_many(job(i) for i in range(n))
         submitted = time.perf_counter() - t
         results = list(batch.results(timeout=600))
         wall = time.perf_counter() - t
+        cpu = {"producer": time.process_time() - mine}
+        for k, tree in trees.items():
+            used = tree.between(before[k], tree.snapshot(), None)
+            cpu[k] = used["cpu_s_engine_core"] + used["cpu_s_other"]
+            host = used["host_cores_busy"]
         assert len(results) == n and all(x.status == "completed" for x in results)
         queue_wait = sorted((x.timings.started_at or 0) - x.timings.enqueued_at for x in results)
         return {
@@ -138,6 +153,8 @@ def stub_overhead(url: str, n: int, concurrency: int) -> dict:
             "jobs_per_s": n / wall,
             "overhead_ms_per_job": 1000 * wall / n,
             "queue_wait_p50_s": queue_wait[n // 2],
+            "cpu_ms_per_job": {k: 1e3 * v / n for k, v in cpu.items()},
+            "host_cores_busy": host,
         }
     finally:
         proc.terminate()
@@ -200,7 +217,7 @@ def main() -> None:
     a.out = a.out.format(date=time.strftime("%Y-%m-%d"))
     server, url = own_redis()
     try:
-        res = measure(a, url)
+        res = measure(a, url, server.pid)
     finally:
         server.kill()
         server.wait()
@@ -208,14 +225,14 @@ def main() -> None:
     report(res, a.out)
 
 
-def measure(a: argparse.Namespace, url: str) -> dict:
+def measure(a: argparse.Namespace, url: str, redis_pid: int | None = None) -> dict:
     return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "command": " ".join(["python -m benchmarks.queue_cpu", *sys.argv[1:]]),
         "submit": submit_rate(url, a.jobs),
-        "stub_worker": stub_overhead(url, a.stub_jobs, a.concurrency),
+        "stub_worker": stub_overhead(url, a.stub_jobs, a.concurrency, redis_pid),
         "task_path": task_path(url, a.stub_jobs),
     }
 
@@ -238,6 +255,11 @@ def report(res: dict, out: str) -> None:
             "queue path, STUB engine",
             f"{w['jobs']} jobs, {w['concurrency']} threads",
             f"{w['jobs_per_s']:,.0f} jobs/s = {w['overhead_ms_per_job']:.2f} ms/job",
+        ),
+        (
+            "queue path, CPU by process",
+            f"{w['host_cores_busy']:.1f} of {res['cpus']} cores busy",
+            ", ".join(f"{k} {v:.2f}" for k, v in w["cpu_ms_per_job"].items()) + " ms/job",
         ),
         (
             "a job past Celery, one thread, STUB engine",
