@@ -119,42 +119,8 @@ def run_job(
         result.timings.finished_at = time.time()
         return result
     try:
-        if settings.clean_input:
-            job, result.input_chars_cleaned = clean_job(job)
-        examples: list[Any] = []
-        if isinstance(job, ExtractJob):
-            job, examples = apply_template(job, templates, env.tenant)
-        schema = _schema_of(job)
-        grammar = generation_schema(schema) if schema is not None else None
-        if grammar is not None and _grammar_checked(engine, settings):
-            _grammar_check(engine, settings).check(grammar)
-        want = job.max_tokens or (
-            schema_token_budget(schema, settings.default_max_tokens(job.type))
-            if schema is not None
-            else settings.default_max_tokens(job.type)
-        )
-        job, result.input_tokens_truncated, known = fit_input(job, engine, settings, want)
-        if isinstance(job, ChatJob) and job.prompt is not None:
-            prompt = engine.completion_prompt(job.prompt)
-        else:
-            messages = build_messages(job, settings, examples)
-            tools = _template_tools(job, engine)
-            # a long document was encoded to measure it: its ids go into the prompt as they are
-            prompt = engine.chat_prompt(messages, known, tools)
-        if isinstance(job, ChatJob):  # a conversation fits its limit or is refused, never cut
-            limit = job.max_input_tokens or settings.max_input_tokens(job.type)
-            if len(prompt) > limit:
-                raise JobFailed(
-                    "input_too_long", f"the chat is {len(prompt)} tokens; the limit is {limit}"
-                )
-        room = settings.max_model_len - len(prompt)
-        if room < MIN_ANSWER_TOKENS:
-            raise JobFailed(
-                "prompt_too_long",
-                f"the prompt is {len(prompt)} tokens; the model's context is "
-                f"{settings.max_model_len} and the answer needs at least {MIN_ANSWER_TOKENS}",
-            )
-        max_tokens = min(want, room)
+        plan = plan_job(env, engine, settings, deadline, result, templates)
+        job, prompt, max_tokens = plan.job, plan.prompt, plan.max_tokens
         key = ""  # the job's result-cache key, when it has one
         if cache is not None and env.cache and job.cache and determined(job):
             key = cache.key(job, result.model or "", env.format, prompt, max_tokens)
@@ -170,13 +136,6 @@ def run_job(
                 result.timings.finished_at = time.time()
                 return result
         keeper = cache if key else None  # the cache this job's answer goes to
-        plan = JobPlan(
-            job=job, engine=engine, settings=settings, prompt=prompt, max_tokens=max_tokens,
-            room=room, grammar=grammar, deadline=deadline, prefix_key=env.prefix_key,
-            salt=env.tenant, batch=env.batch, lora=engine.adapters.get(result.model or ""),
-            policy=early_stop_policy(job, settings),
-            loops=loop_detection(job, settings, engine.plan),
-        )  # fmt: skip
         try:
             _run(plan, result)
         except JobFailed as exc:
@@ -233,6 +192,62 @@ class JobPlan:
     def then(self, **changes: Any) -> JobPlan:
         """The plan of a later run: no prefix key (the first run placed it), and ``changes``."""
         return dataclasses.replace(self, prefix_key=None, **changes)
+
+
+def plan_job(
+    env: Envelope,
+    engine: EngineHost,
+    settings: Settings,
+    deadline: float,
+    result: JobResult,
+    templates: Templates | None = None,
+) -> JobPlan:
+    """The job as its runs will share it: its text cleaned, its template applied, its schema's
+    grammar checked, its input fitted to the budget, its prompt rendered to token ids; what was
+    cut or cleaned is noted in ``result``. A job that cannot run raises ``JobFailed`` (or
+    ``SchemaRefused``) before the engine sees it."""
+    job = env.job
+    if settings.clean_input:
+        job, result.input_chars_cleaned = clean_job(job)
+    examples: list[Any] = []
+    if isinstance(job, ExtractJob):
+        job, examples = apply_template(job, templates, env.tenant)
+    schema = _schema_of(job)
+    grammar = generation_schema(schema) if schema is not None else None
+    if grammar is not None and _grammar_checked(engine, settings):
+        _grammar_check(engine, settings).check(grammar)
+    want = job.max_tokens or (
+        schema_token_budget(schema, settings.default_max_tokens(job.type))
+        if schema is not None
+        else settings.default_max_tokens(job.type)
+    )
+    job, result.input_tokens_truncated, known = fit_input(job, engine, settings, want)
+    if isinstance(job, ChatJob) and job.prompt is not None:
+        prompt = engine.completion_prompt(job.prompt)
+    else:
+        messages = build_messages(job, settings, examples)
+        tools = _template_tools(job, engine)
+        # a long document was encoded to measure it: its ids go into the prompt as they are
+        prompt = engine.chat_prompt(messages, known, tools)
+    if isinstance(job, ChatJob):  # a conversation fits its limit or is refused, never cut
+        limit = job.max_input_tokens or settings.max_input_tokens(job.type)
+        if len(prompt) > limit:
+            raise JobFailed(
+                "input_too_long", f"the chat is {len(prompt)} tokens; the limit is {limit}"
+            )
+    room = settings.max_model_len - len(prompt)
+    if room < MIN_ANSWER_TOKENS:
+        raise JobFailed(
+            "prompt_too_long",
+            f"the prompt is {len(prompt)} tokens; the model's context is "
+            f"{settings.max_model_len} and the answer needs at least {MIN_ANSWER_TOKENS}",
+        )
+    return JobPlan(
+        job=job, engine=engine, settings=settings, prompt=prompt, max_tokens=min(want, room),
+        room=room, grammar=grammar, deadline=deadline, prefix_key=env.prefix_key,
+        salt=env.tenant, batch=env.batch, lora=engine.adapters.get(result.model or ""),
+        policy=early_stop_policy(job, settings), loops=loop_detection(job, settings, engine.plan),
+    )  # fmt: skip
 
 
 def _run(plan: JobPlan, result: JobResult) -> None:
