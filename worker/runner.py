@@ -171,7 +171,7 @@ class JobPlan:
     """What every run of one job shares, decided once before the first: the job as it goes to
     the engine (cleaned, templated, fitted), its prompt's token ids, its answer's budget, its
     grammar, deadline and early-stop and loop policies. A later run changes only what it must
-    (``dataclasses.replace``): more room for a cut-off JSON answer, a new seed for a retry, no
+    (``then``): more room for a cut-off JSON answer, a new seed for a retry, no
     prefix key once the first run has placed the prefix."""
 
     job: Any
