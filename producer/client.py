@@ -108,6 +108,10 @@ LIVENESS_CHECK_S = 5.0
 
 
 PAGE = 1000  # results per read of a batch's stream
+# How often a reader that keeps catching up with a running batch asks whether it is complete:
+# the question is two Redis calls, which cost more than the few results a short page brings.
+# A reader waits at most this long past the last result to learn the batch is done.
+COMPLETE_CHECK_S = 0.05
 
 
 class _Follow:
@@ -127,15 +131,27 @@ class _Follow:
         self.queue = self.store.queue_of(batch.id) or s.queue
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.no_worker_s, self.stall_s = s.wait_no_worker_s, s.wait_stall_s
-        self.complete = False
+        self.complete, self.asked_at = False, 0.0
         now = time.monotonic()
         self.done, self.progress_at = -1, now
         self.checked_at, self.alone_since = 0.0, None  # type: float, float | None
         self.told_alone = self.told_stall = self.told_feed = False
 
+    def due(self) -> bool:
+        """Whether a reader that caught up should ``check`` now (``COMPLETE_CHECK_S``)."""
+        return time.monotonic() - self.asked_at >= COMPLETE_CHECK_S
+
+    def block_ms(self) -> int:
+        """How long the next read of the stream may wait for a result: until the next check
+        is due, so the last result is followed by the news of completion within
+        ``COMPLETE_CHECK_S``; a second while checks are due (XREAD's 0 is forever: never 0)."""
+        wait = self.asked_at + COMPLETE_CHECK_S - time.monotonic()
+        return 1000 if wait <= 0 else max(1, int(1000 * wait))
+
     def check(self) -> bool:
         """After a wait that brought nothing: True once every job has a result (read once
         more, then stop); raises ``WaitTimeout`` or ``Stalled`` when waiting should end."""
+        self.asked_at = time.monotonic()
         # A worker stores a result and counts it in one script, so once the counts say complete
         # every result is in the stream; the caller reads once more to take any stored since.
         sealed = self.store.is_sealed(self.batch.id)  # first: once sealed, the total is final
@@ -249,7 +265,7 @@ class Batch:
         store = self.client.store
         while True:
             page = store.read(
-                self.id, after, block_ms=None if follow.complete else 1000, count=PAGE
+                self.id, after, block_ms=None if follow.complete else follow.block_ms(), count=PAGE
             )
             for after, res in page:
                 self.last_entry = after
@@ -258,7 +274,7 @@ class Batch:
                 if not page:
                     return
                 continue
-            if len(page) < PAGE:  # caught up: was that the last? (else a 1 s wait to find out)
+            if len(page) < PAGE and follow.due():  # caught up: was that the last?
                 follow.check()
 
     def wait(self, timeout: float | None = None, poll_s: float = 0.5) -> BatchStatus:
@@ -682,7 +698,7 @@ class AsyncClient:
                 low = f"({after}" if after != "0-0" else "-"
                 entries = await self._r.xrange(stream, min=low, count=PAGE)
             else:
-                resp = await self._r.xread({stream: after}, count=PAGE, block=1000)
+                resp = await self._r.xread({stream: after}, count=PAGE, block=follow.block_ms())
                 entries = resp[0][1] if resp else []
             for entry_id, fields in entries:
                 after = entry_id  # resume point for the next read
@@ -691,7 +707,7 @@ class AsyncClient:
                 if not entries:
                     return
                 continue
-            if len(entries) < PAGE:  # caught up: was that the last?
+            if len(entries) < PAGE and follow.due():  # caught up: was that the last?
                 await asyncio.to_thread(follow.check)
 
     async def result(self, batch: str, job_id: str, timeout: float | None = None) -> JobResult:
