@@ -47,13 +47,10 @@ app.conf.update(
 )
 
 
+@app.task(name="vqueue.summarize", bind=True, ignore_result=True)  # the jobs' task name
 def _noop(self: Any, payload: Any) -> None:
     for _ in payload if isinstance(payload, list) else (payload,):
         pass
-
-
-for _type in ("summarize",):
-    app.task(name=f"vqueue.{_type}", bind=True, ignore_result=True)(_noop)
 
 
 def messages(n_jobs: int, per_message: int) -> list[tuple[str, str]]:
