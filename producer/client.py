@@ -110,7 +110,8 @@ LIVENESS_CHECK_S = 5.0
 PAGE = 1000  # results per read of a batch's stream
 # How often a reader that keeps catching up with a running batch asks whether it is complete:
 # the question is two Redis calls, which cost more than the few results a short page brings.
-# A reader waits at most this long past the last result to learn the batch is done.
+# A reader from the stream's start learns it from its count of results as it takes the last
+# one (``_Follow.took``); one that resumed midway waits at most this long past the last result.
 COMPLETE_CHECK_S = 0.05
 
 
@@ -120,7 +121,11 @@ class _Follow:
     when waiting stopped making sense. Nothing here reads results; the loops do."""
 
     def __init__(
-        self, batch: Batch, timeout: float | None, on_lost: Callable[[], None] | None = None
+        self,
+        batch: Batch,
+        timeout: float | None,
+        on_lost: Callable[[], None] | None = None,
+        counting: bool = False,
     ) -> None:
         s = batch.client.settings
         # called when jobs of the batch were lost on the way (``Client.lost``), to send them
@@ -132,10 +137,20 @@ class _Follow:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.no_worker_s, self.stall_s = s.wait_no_worker_s, s.wait_stall_s
         self.complete, self.asked_at = False, 0.0
+        # A reader of the stream from its start (``counting``) is done once it has read as
+        # many results as a sealed batch has jobs: each job's result is in the stream at most
+        # once (one script stores and counts it), and a sealed batch's total is final.
+        self.counting, self.taken, self.total = counting, 0, None  # type: bool, int, int | None
         now = time.monotonic()
         self.done, self.progress_at = -1, now
         self.checked_at, self.alone_since = 0.0, None  # type: float, float | None
         self.told_alone = self.told_stall = self.told_feed = False
+
+    def took(self, n: int) -> None:
+        """The reader took ``n`` more results off the stream."""
+        self.taken += n
+        if self.counting and self.total is not None and self.taken >= self.total:
+            self.complete = True
 
     def due(self) -> bool:
         """Whether a reader that caught up should ``check`` now (``COMPLETE_CHECK_S``)."""
@@ -156,6 +171,8 @@ class _Follow:
         # every result is in the stream; the caller reads once more to take any stored since.
         sealed = self.store.is_sealed(self.batch.id)  # first: once sealed, the total is final
         st = self.batch.status()
+        if sealed:
+            self.total = st.total
         self.complete = sealed and st.done >= st.total
         if self.complete:
             return True
@@ -261,7 +278,7 @@ class Batch:
         ``on_lost``: called when jobs of the batch were lost on the way (``Client.lost``), to
         send them again (``Client.resend``).
         """
-        follow = _Follow(self, timeout, on_lost)
+        follow = _Follow(self, timeout, on_lost, counting=after == "0-0")
         store = self.client.store
         while True:
             page = store.read(
@@ -270,6 +287,7 @@ class Batch:
             for after, res in page:
                 self.last_entry = after
                 yield res
+            follow.took(len(page))
             if follow.complete:
                 if not page:
                     return
@@ -692,7 +710,7 @@ class AsyncClient:
         rules: ``WaitTimeout``, ``Stalled``)."""
         store = self._sync.store
         stream, after = store.key(batch, "results"), "0-0"
-        follow = await asyncio.to_thread(_Follow, self._sync.batch(batch), timeout)
+        follow = await asyncio.to_thread(_Follow, self._sync.batch(batch), timeout, None, True)
         while True:
             if follow.complete:
                 low = f"({after}" if after != "0-0" else "-"
@@ -703,6 +721,7 @@ class AsyncClient:
             for entry_id, fields in entries:
                 after = entry_id  # resume point for the next read
                 yield JobResult.model_validate_json(fields["result"])
+            follow.took(len(entries))
             if follow.complete:
                 if not entries:
                     return

@@ -95,6 +95,52 @@ def test_a_result_stored_while_the_reader_waits_is_never_skipped(redis_client: r
     assert [r.id for r in got] == ["j1"]
 
 
+def test_a_reader_that_has_every_result_of_a_sealed_batch_stops_without_asking_again(
+    redis_client: redis.Redis,
+) -> None:
+    # Given a sealed batch of two jobs, the first done before the reader starts and the second
+    # stored just before the reader's next read of the stream
+    import uuid
+
+    from producer import Client
+    from schemas import JobResult, Timings
+
+    client = Client(make_settings(f"vqtest-{RUN}-count"))
+    store, batch = client.store, f"count-{uuid.uuid4().hex[:8]}"
+    store.create(batch, "vqueue")
+    store.claim(batch, ["j1", "j2"])
+    store.seal(batch)
+
+    def result(job: str) -> JobResult:
+        return JobResult(id=job, batch=batch, type="summarize", status="completed", text="ok",
+                         timings=Timings(enqueued_at=1.0))  # fmt: skip
+
+    store.record(result("j1"))
+    read, is_sealed, reads, asked = store.read, store.is_sealed, [0], [0]
+
+    def read_recording_the_second(*args: object, **kwargs: object) -> object:
+        reads[0] += 1
+        if reads[0] == 2:
+            store.record(result("j2"))
+        return read(*args, **kwargs)  # type: ignore[arg-type]
+
+    def counted_is_sealed(b: str) -> bool:
+        asked[0] += 1
+        return is_sealed(b)
+
+    store.read = read_recording_the_second  # type: ignore[method-assign]
+    store.is_sealed = counted_is_sealed  # type: ignore[method-assign]
+    try:
+        # When the batch's results are read to the end
+        got = list(client.batch(batch).results(timeout=30))
+    finally:
+        store.delete(batch)
+    # Then both come, and the reader knew the batch was done from its count: it asked Redis
+    # whether the batch was complete once (after the first result), not again after the last
+    assert sorted(r.id for r in got) == ["j1", "j2"]
+    assert asked[0] == 1
+
+
 def test_a_batch_reaches_the_queue_while_it_is_still_being_submitted(
     redis_client: redis.Redis,
 ) -> None:
