@@ -18,6 +18,7 @@ Prints a table and writes JSON (benchmarks/results/queue-cpu-<date>.json by defa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import redis
@@ -94,17 +96,14 @@ def submit_rate(url: str, n: int) -> dict:
     }
 
 
-def stub_overhead(url: str, n: int, concurrency: int, redis_pid: int | None = None) -> dict:
-    """The queue path end to end, and where its CPU went per job from the first submit to the
-    last result read: the worker's processes, this producer, and Redis (``redis_pid``)."""
-    from .gpu_suite import CpuTree
-
-    r = redis.Redis.from_url(url)
-    r.flushdb()
+@contextlib.contextmanager
+def stub_worker(url: str, queue: str, concurrency: int = 64) -> Iterator[subprocess.Popen]:
+    """A real ``vqueue worker`` process on the STUB engine consuming ``queue``, once it has
+    registered; stopped on leaving. Its log: benchmarks/results/stub-worker.log.tmp."""
     env = dict(
         os.environ,
         VQUEUE_BROKER_URL=url,
-        VQUEUE_QUEUE="bench-stub",
+        VQUEUE_QUEUE=queue,
         VQUEUE_RESULT_CACHE="false",
         VQUEUE_KEY_PREFIX="vqbench",
         VQUEUE_ENGINE_CLASS="benchmarks.stub_engine:StubEngine",
@@ -119,6 +118,7 @@ def stub_overhead(url: str, n: int, concurrency: int, redis_pid: int | None = No
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+    r = redis.Redis.from_url(url)
     try:
         deadline = time.time() + 120
         while not r.exists("vqbench:worker:stub@bench"):
@@ -127,40 +127,53 @@ def stub_overhead(url: str, n: int, concurrency: int, redis_pid: int | None = No
                     "stub worker did not start; see benchmarks/results/stub-worker.log.tmp"
                 )
             time.sleep(0.2)
-        client = Client(settings(url, "bench-stub"))
-        trees = {"worker": CpuTree(proc.pid)}
-        if redis_pid:
-            trees["redis"] = CpuTree(redis_pid)
-        before = {k: v.snapshot() for k, v in trees.items()}
-        mine = time.process_time()
-        t = time.perf_counter()
-        batch = client.submit_many(job(i) for i in range(n))
-        submitted = time.perf_counter() - t
-        results = list(batch.results(timeout=600))
-        wall = time.perf_counter() - t
-        cpu = {"producer": time.process_time() - mine}
-        for k, tree in trees.items():
-            used = tree.between(before[k], tree.snapshot(), None)
-            cpu[k] = used["cpu_s_engine_core"] + used["cpu_s_other"]
-            host = used["host_cores_busy"]
-        assert len(results) == n and all(x.status == "completed" for x in results)
-        queue_wait = sorted((x.timings.started_at or 0) - x.timings.enqueued_at for x in results)
-        return {
-            "jobs": n,
-            "concurrency": concurrency,
-            "wall_s": wall,
-            "submit_s": submitted,
-            "jobs_per_s": n / wall,
-            "overhead_ms_per_job": 1000 * wall / n,
-            "queue_wait_p50_s": queue_wait[n // 2],
-            "cpu_ms_per_job": {k: 1e3 * v / n for k, v in cpu.items()},
-            "host_cores_busy": host,
-        }
+        yield proc
     finally:
         proc.terminate()
         proc.wait(60)
         log.close()
+
+
+def stub_overhead(url: str, n: int, concurrency: int, redis_pid: int | None = None) -> dict:
+    """The queue path end to end, and where its CPU went per job from the first submit to the
+    last result read: the worker's processes, this producer, and Redis (``redis_pid``)."""
+    from .gpu_suite import CpuTree
+
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    try:
+        with stub_worker(url, "bench-stub", concurrency) as proc:
+            client = Client(settings(url, "bench-stub"))
+            trees = {"worker": CpuTree(proc.pid)}
+            if redis_pid:
+                trees["redis"] = CpuTree(redis_pid)
+            before = {k: v.snapshot() for k, v in trees.items()}
+            mine = time.process_time()
+            t = time.perf_counter()
+            batch = client.submit_many(job(i) for i in range(n))
+            submitted = time.perf_counter() - t
+            results = list(batch.results(timeout=600))
+            wall = time.perf_counter() - t
+            cpu = {"producer": time.process_time() - mine}
+            for k, tree in trees.items():
+                used = tree.between(before[k], tree.snapshot(), None)
+                cpu[k] = used["cpu_s_engine_core"] + used["cpu_s_other"]
+                host = used["host_cores_busy"]
+    finally:
         r.flushdb()
+    assert len(results) == n and all(x.status == "completed" for x in results)
+    queue_wait = sorted((x.timings.started_at or 0) - x.timings.enqueued_at for x in results)
+    return {
+        "jobs": n,
+        "concurrency": concurrency,
+        "wall_s": wall,
+        "submit_s": submitted,
+        "jobs_per_s": n / wall,
+        "overhead_ms_per_job": 1000 * wall / n,
+        "queue_wait_p50_s": queue_wait[n // 2],
+        "cpu_ms_per_job": {k: 1e3 * v / n for k, v in cpu.items()},
+        "host_cores_busy": host,
+    }
 
 
 def task_path(url: str, n: int) -> dict:

@@ -17,44 +17,21 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import redis
-
 from benchmarks import own_redis
-from benchmarks.queue_cpu import job, settings
+from benchmarks.queue_cpu import job, settings, stub_worker
 from producer import Client
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def measure(url: str, sizes: list[int], reps: int) -> list[dict]:
-    env = dict(
-        os.environ,
-        VQUEUE_BROKER_URL=url,
-        VQUEUE_QUEUE="bench-end",
-        VQUEUE_RESULT_CACHE="false",
-        VQUEUE_KEY_PREFIX="vqbench",
-        VQUEUE_ENGINE_CLASS="benchmarks.stub_engine:StubEngine",
-        VQUEUE_CONCURRENCY="64",
-        VQUEUE_HEARTBEAT_S="1",
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "producer.cli", "worker", "-n", "end@bench", "-l", "WARNING"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    r = redis.Redis.from_url(url)
-    try:
-        deadline = time.time() + 120
-        while not r.exists("vqbench:worker:end@bench"):
-            if time.time() > deadline or proc.poll() is not None:
-                raise RuntimeError("the stub worker did not start")
-            time.sleep(0.2)
+    rows = []
+    with stub_worker(url, "bench-end"):
         client = Client(settings(url, "bench-end"))
-        rows = []
         for n in sizes:
             gaps = []
             for _ in range(reps):
@@ -69,10 +46,7 @@ def measure(url: str, sizes: list[int], reps: int) -> list[dict]:
                 "end_after_last_ms_p50": 1e3 * statistics.median(gaps),
                 "end_after_last_ms_max": 1e3 * max(gaps),
             })  # fmt: skip
-        return rows
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    return rows
 
 
 def main() -> None:
