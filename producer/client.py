@@ -110,8 +110,8 @@ LIVENESS_CHECK_S = 5.0
 PAGE = 1000  # results per read of a batch's stream
 # How often a reader that keeps catching up with a running batch asks whether it is complete:
 # the question is two Redis calls, which cost more than the few results a short page brings.
-# A reader from the stream's start learns it from its count of results as it takes the last
-# one (``_Follow.took``); one that resumed midway waits at most this long past the last result.
+# A reader from the stream's start asks at once when its count of results reaches the batch's
+# total (``_Follow.took``); one that resumed midway waits at most this long past the last result.
 COMPLETE_CHECK_S = 0.05
 
 
@@ -137,20 +137,22 @@ class _Follow:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.no_worker_s, self.stall_s = s.wait_no_worker_s, s.wait_stall_s
         self.complete, self.asked_at = False, 0.0
-        # A reader of the stream from its start (``counting``) is done once it has read as
-        # many results as a sealed batch has jobs: each job's result is in the stream at most
-        # once (one script stores and counts it), and a sealed batch's total is final.
+        # A reader of the stream from its start (``counting``) that has taken as many results
+        # as a sealed batch has jobs most likely has them all: a sealed batch's total is final,
+        # and a job's result is in the stream once, unless a forced re-run replaced one the
+        # reader had taken already. So it asks then, not at the next due check; the counts
+        # (``check``) decide.
         self.counting, self.taken, self.total = counting, 0, None  # type: bool, int, int | None
         now = time.monotonic()
         self.done, self.progress_at = -1, now
         self.checked_at, self.alone_since = 0.0, None  # type: float, float | None
         self.told_alone = self.told_stall = self.told_feed = False
 
-    def took(self, n: int) -> None:
-        """The reader took ``n`` more results off the stream."""
+    def took(self, n: int) -> bool:
+        """The reader took ``n`` more results off the stream; True when it should ``check``
+        now, whether or not a check is due: its count has reached the batch's total."""
         self.taken += n
-        if self.counting and self.total is not None and self.taken >= self.total:
-            self.complete = True
+        return bool(n) and self.counting and self.total is not None and self.taken >= self.total
 
     def due(self) -> bool:
         """Whether a reader that caught up should ``check`` now (``COMPLETE_CHECK_S``)."""
@@ -287,12 +289,12 @@ class Batch:
             for after, res in page:
                 self.last_entry = after
                 yield res
-            follow.took(len(page))
+            counted = follow.took(len(page))
             if follow.complete:
                 if not page:
                     return
                 continue
-            if len(page) < PAGE and follow.due():  # caught up: was that the last?
+            if counted or (len(page) < PAGE and follow.due()):  # caught up: was that the last?
                 follow.check()
 
     def wait(self, timeout: float | None = None, poll_s: float = 0.5) -> BatchStatus:
@@ -721,12 +723,12 @@ class AsyncClient:
             for entry_id, fields in entries:
                 after = entry_id  # resume point for the next read
                 yield JobResult.model_validate_json(fields["result"])
-            follow.took(len(entries))
+            counted = follow.took(len(entries))
             if follow.complete:
                 if not entries:
                     return
                 continue
-            if len(entries) < PAGE and follow.due():  # caught up: was that the last?
+            if counted or (len(entries) < PAGE and follow.due()):  # caught up: the last?
                 await asyncio.to_thread(follow.check)
 
     async def result(self, batch: str, job_id: str, timeout: float | None = None) -> JobResult:

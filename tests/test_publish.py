@@ -4,7 +4,9 @@ Celery's own, and its reader must see every result a worker stores."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -95,50 +97,84 @@ def test_a_result_stored_while_the_reader_waits_is_never_skipped(redis_client: r
     assert [r.id for r in got] == ["j1"]
 
 
-def test_a_reader_that_has_every_result_of_a_sealed_batch_stops_without_asking_again(
-    redis_client: redis.Redis,
-) -> None:
-    # Given a sealed batch of two jobs, the first done before the reader starts and the second
-    # stored just before the reader's next read of the stream
+def _sealed_batch(name: str, jobs: list[str]) -> tuple[Any, str, Callable[[str], Any]]:
+    """A client, a sealed batch of ``jobs`` with none done, and a maker of their results."""
     import uuid
 
     from producer import Client
     from schemas import JobResult, Timings
 
-    client = Client(make_settings(f"vqtest-{RUN}-count"))
-    store, batch = client.store, f"count-{uuid.uuid4().hex[:8]}"
-    store.create(batch, "vqueue")
-    store.claim(batch, ["j1", "j2"])
-    store.seal(batch)
+    client = Client(make_settings(f"vqtest-{RUN}-{name}"))
+    batch = f"{name}-{uuid.uuid4().hex[:8]}"
+    client.store.create(batch, "vqueue")
+    client.store.claim(batch, jobs)
+    client.store.seal(batch)
 
     def result(job: str) -> JobResult:
         return JobResult(id=job, batch=batch, type="summarize", status="completed", text="ok",
                          timings=Timings(enqueued_at=1.0))  # fmt: skip
 
+    return client, batch, result
+
+
+def test_a_reader_that_has_every_result_of_a_sealed_batch_stops_without_waiting_again(
+    redis_client: redis.Redis,
+) -> None:
+    # Given a sealed batch of two jobs, the first done before the reader starts and the second
+    # stored just before the reader's next read of the stream
+    client, batch, result = _sealed_batch("count", ["j1", "j2"])
+    store = client.store
     store.record(result("j1"))
-    read, is_sealed, reads, asked = store.read, store.is_sealed, [0], [0]
+    read, reads = store.read, []  # each read's block_ms, and the results it brought
 
     def read_recording_the_second(*args: object, **kwargs: object) -> object:
-        reads[0] += 1
-        if reads[0] == 2:
+        if len(reads) == 1:
             store.record(result("j2"))
-        return read(*args, **kwargs)  # type: ignore[arg-type]
-
-    def counted_is_sealed(b: str) -> bool:
-        asked[0] += 1
-        return is_sealed(b)
+        page = read(*args, **kwargs)  # type: ignore[arg-type]
+        reads.append((kwargs.get("block_ms"), [r.id for _, r in page]))
+        return page
 
     store.read = read_recording_the_second  # type: ignore[method-assign]
-    store.is_sealed = counted_is_sealed  # type: ignore[method-assign]
     try:
         # When the batch's results are read to the end
         got = list(client.batch(batch).results(timeout=30))
     finally:
         store.delete(batch)
-    # Then both come, and the reader knew the batch was done from its count: it asked Redis
-    # whether the batch was complete once (after the first result), not again after the last
+    # Then both come, and once the reader held as many results as the batch has jobs, no read
+    # of the stream waited for more: it asked Redis at once whether the batch was complete
     assert sorted(r.id for r in got) == ["j1", "j2"]
-    assert asked[0] == 1
+    last = next(i for i, (_, ids) in enumerate(reads) if "j2" in ids)
+    assert [block for block, _ in reads[last + 1 :]] == [None]
+
+
+def test_a_reader_counting_results_still_waits_for_a_job_whose_result_was_run_again(
+    redis_client: redis.Redis,
+) -> None:
+    # Given a sealed batch of two jobs and a reader that has taken j1's result, when j1 is
+    # forgotten and run again (a forced re-run) before j2 is done: the reader's count of
+    # results reaches the batch's total while j2 is still running
+    client, batch, result = _sealed_batch("rerun", ["j1", "j2"])
+    store = client.store
+    store.record(result("j1"))
+    read, calls = store.read, [0]
+
+    def read_while_j1_reruns(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        if calls[0] == 2:
+            store.forget(batch, "j1")
+            store.record(result("j1"))
+        elif calls[0] == 4:  # after a read that found nothing new
+            store.record(result("j2"))
+        return read(*args, **kwargs)  # type: ignore[arg-type]
+
+    store.read = read_while_j1_reruns  # type: ignore[method-assign]
+    try:
+        # When the batch's results are read to the end
+        got = list(client.batch(batch).results(timeout=30))
+    finally:
+        store.delete(batch)
+    # Then the reader did not stop at its count: j2's result is among what it read
+    assert [r.id for r in got] == ["j1", "j1", "j2"]
 
 
 def test_a_batch_reaches_the_queue_while_it_is_still_being_submitted(
