@@ -117,29 +117,43 @@ def _sealed_batch(name: str, jobs: list[str]) -> tuple[Any, str, Callable[[str],
     return client, batch, result
 
 
+def _read_to_end(
+    client: Any, batch: str, before_read: Callable[[int], None]
+) -> tuple[list[Any], list[tuple[int | None, list[str]]]]:
+    """Every result of ``batch`` as ``Batch.results`` reads them, with ``before_read(k)``
+    called before its k-th read of the stream (from 0); also each read's ``block_ms`` and the
+    job ids it brought. The batch is deleted after."""
+    store = client.store
+    read, reads = store.read, []
+
+    def wrapped(*args: object, **kwargs: object) -> object:
+        before_read(len(reads))
+        page = read(*args, **kwargs)
+        reads.append((kwargs.get("block_ms"), [r.id for _, r in page]))
+        return page
+
+    store.read = wrapped
+    try:
+        return list(client.batch(batch).results(timeout=30)), reads
+    finally:
+        store.read = read
+        store.delete(batch)
+
+
 def test_a_reader_that_has_every_result_of_a_sealed_batch_stops_without_waiting_again(
     redis_client: redis.Redis,
 ) -> None:
     # Given a sealed batch of two jobs, the first done before the reader starts and the second
-    # stored just before the reader's next read of the stream
+    # stored just before the reader's second read of the stream
     client, batch, result = _sealed_batch("count", ["j1", "j2"])
-    store = client.store
-    store.record(result("j1"))
-    read, reads = store.read, []  # each read's block_ms, and the results it brought
+    client.store.record(result("j1"))
 
-    def read_recording_the_second(*args: object, **kwargs: object) -> object:
-        if len(reads) == 1:
-            store.record(result("j2"))
-        page = read(*args, **kwargs)  # type: ignore[arg-type]
-        reads.append((kwargs.get("block_ms"), [r.id for _, r in page]))
-        return page
+    def second_done(k: int) -> None:
+        if k == 1:
+            client.store.record(result("j2"))
 
-    store.read = read_recording_the_second  # type: ignore[method-assign]
-    try:
-        # When the batch's results are read to the end
-        got = list(client.batch(batch).results(timeout=30))
-    finally:
-        store.delete(batch)
+    # When the batch's results are read to the end
+    got, reads = _read_to_end(client, batch, second_done)
     # Then both come, and once the reader held as many results as the batch has jobs, no read
     # of the stream waited for more: it asked Redis at once whether the batch was complete
     assert sorted(r.id for r in got) == ["j1", "j2"]
@@ -154,25 +168,17 @@ def test_a_reader_counting_results_still_waits_for_a_job_whose_result_was_run_ag
     # forgotten and run again (a forced re-run) before j2 is done: the reader's count of
     # results reaches the batch's total while j2 is still running
     client, batch, result = _sealed_batch("rerun", ["j1", "j2"])
-    store = client.store
-    store.record(result("j1"))
-    read, calls = store.read, [0]
+    client.store.record(result("j1"))
 
-    def read_while_j1_reruns(*args: object, **kwargs: object) -> object:
-        calls[0] += 1
-        if calls[0] == 2:
-            store.forget(batch, "j1")
-            store.record(result("j1"))
-        elif calls[0] == 4:  # after a read that found nothing new
-            store.record(result("j2"))
-        return read(*args, **kwargs)  # type: ignore[arg-type]
+    def j1_reruns_then_j2_ends(k: int) -> None:
+        if k == 1:
+            client.store.forget(batch, "j1")
+            client.store.record(result("j1"))
+        elif k == 3:  # after a read that found nothing new
+            client.store.record(result("j2"))
 
-    store.read = read_while_j1_reruns  # type: ignore[method-assign]
-    try:
-        # When the batch's results are read to the end
-        got = list(client.batch(batch).results(timeout=30))
-    finally:
-        store.delete(batch)
+    # When the batch's results are read to the end
+    got, _ = _read_to_end(client, batch, j1_reruns_then_j2_ends)
     # Then the reader did not stop at its count: j2's result is among what it read
     assert [r.id for r in got] == ["j1", "j1", "j2"]
 
