@@ -900,8 +900,10 @@ def test_engine_death_hands_jobs_back_and_exits_9(
     import psutil
 
     client = _client(fault_redis.url)
+    # (the job's own timeout well past the kill: a job that times out first is recorded as
+    # failed and leaves nothing to hand back)
     w = procs.worker("e1", "faults", VQUEUE_BROKER_URL=fault_redis.url,
-                     VQUEUE_VISIBILITY_TIMEOUT_S="8", VQUEUE_JOB_TIMEOUT_S="5")  # fmt: skip
+                     VQUEUE_VISIBILITY_TIMEOUT_S="20", VQUEUE_JOB_TIMEOUT_S="15")  # fmt: skip
     w.wait_ready(client.store.r)
     job = {"id": "long", "type": "summarize", "text": "Count to a million.", "max_tokens": 1500,
            "min_tokens": 1500, "ignore_eos": True}  # fmt: skip
@@ -926,6 +928,28 @@ def test_engine_death_hands_jobs_back_and_exits_9(
     procs.fake_worker("e1", fault_redis.url, delay=0.05, concurrency=2)
     wait_for(lambda: _done(client, batch) == 1, 60, "the job on the restarted worker")
     _exactly_once(client, batch, 1)
+
+
+@pytest.mark.engine
+def test_an_engine_that_dies_with_no_job_running_stops_its_worker_at_once(
+    procs: Procs, fault_redis: RedisServer
+) -> None:
+    # Given a real worker with no job
+    import psutil
+
+    client = _client(fault_redis.url)
+    w = procs.worker("e2", "faults", VQUEUE_BROKER_URL=fault_redis.url)
+    w.wait_ready(client.store.r)
+    # When vLLM's engine process dies
+    cores = [p for p in psutil.Process(w.proc.pid).children(recursive=True)
+             if "EngineCore" in " ".join(p.cmdline()) + p.name()]  # fmt: skip
+    assert cores, "no EngineCore process found"
+    for p in cores:
+        p.kill()
+    # Then the worker exits 9 (ENGINE) for its supervisor without waiting for a job to fail
+    assert w.proc.wait(30) == 9
+    w.log.close()
+    assert "the vLLM engine died" in w.log_path.read_text()
 
 
 # ------------------------------------------------------------------ bad input, real engine

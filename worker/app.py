@@ -448,9 +448,24 @@ class _WorkerState:
     metrics_url: str | None = None
     intakes: Intakes | None = None
     stop = threading.Event()
+    dying = False  # the engine is gone: jobs taken from here on go straight back
 
 
 state = _WorkerState()
+_dying_lock = threading.Lock()
+
+
+def engine_died() -> None:
+    """Exit non-zero so the supervisor restarts the worker, once every job this process holds
+    is handed back (those it cannot hand back return after the visibility timeout). Called by
+    the task that met the dead engine, or by the engine's own watch when it dies with no job
+    running here: an idle worker must not sit on a dead engine until its next job."""
+    with _dying_lock:
+        if state.dying:
+            return
+        state.dying = True
+    log.critical("the vLLM engine died; exiting %d for a restart", EXIT_ENGINE)
+    exit_after_handing_back(EXIT_ENGINE)
 
 
 def remove_stale_files(directories: tuple[str, ...] = ("/dev/shm", tempfile.gettempdir())) -> int:
@@ -513,6 +528,8 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
             state.engine = engine_class(settings)
         if getattr(state.engine, "plan", None) is not None and not settings.frontend:
             metrics.report_plan(state.engine.plan)
+        if hasattr(state.engine, "on_death"):
+            state.engine.on_death(engine_died)
         from .runner import warm_grammar_check
 
         warm_grammar_check(state.engine, settings)

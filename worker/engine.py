@@ -338,6 +338,10 @@ class EngineHost:
         """How an intake process is told where its engine is (``Settings.frontend``)."""
         return f"{listen[0]}#{listen[1].hex()}"
 
+    def on_death(self, callback: Any) -> None:
+        """Call ``callback()`` once if the engine dies, with or without a job running."""
+        self.frontend.on_death(callback)
+
     def close(self) -> None:
         try:
             self.frontend.close()

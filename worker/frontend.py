@@ -17,7 +17,8 @@ The wire is one duplex ``multiprocessing`` pipe of pickled tuples:
   ``("abort", rid)``, ``("metrics", rid)``, ``("close",)``;
 - frontend to worker: first ``("ready", plan, tokenizer)`` or ``("failed", kind, text)``, then
   lists of ``("first", rid)`` (a leading request's first token), ``("done", rid, Output)``,
-  ``("error", rid, kind, text)``, ``("stats", totals)`` and ``("metrics", rid, text)``.
+  ``("error", rid, kind, text)``, ``("stats", totals)``, ``("metrics", rid, text)`` and, once
+  vLLM's engine core is gone, ``("dead", reason)``.
 
 Either side ending ends the other: the frontend shuts vLLM down when the worker's end of the
 pipe closes, however the worker died, and the worker treats a frontend gone as a dead engine.
@@ -127,6 +128,9 @@ class FrontendLink:
         self._pending: dict[str, concurrent.futures.Future[Any]] = {}
         self._leads: dict[str, threading.Event] = {}
         self.dead: str | None = None
+        self._on_death: Any = None
+        self._closed = False  # closed on purpose: what ends then is no death
+        self._died = False
         _preload()  # while the frontend starts vLLM: what unpickling its tokenizer will import
         first = self._first()
         if first[0] == "failed":
@@ -136,6 +140,15 @@ class FrontendLink:
             raise (ConfigError if kind == "config" else RuntimeError)(text)
         _, self.plan, self.tokenizer = first
         threading.Thread(target=self._receive, name="vqueue-frontend-rx", daemon=True).start()
+
+    def on_death(self, callback: Any) -> None:
+        """Call ``callback()`` once when the engine dies, whether or not a request is waiting
+        (at once if it already has). Not on ``close``: a stop asked for is no death."""
+        with self._lock:
+            self._on_death = callback
+            died = self._died
+        if died:
+            callback()
 
     def _watched(self) -> list[Any]:
         return [self._conn] if self.process is None else [self._conn, self.process.sentinel]
@@ -201,6 +214,7 @@ class FrontendLink:
                 self._pending.pop(rid, None)
 
     def close(self) -> None:
+        self._closed = True
         try:
             self._conn.close()
         except OSError:
@@ -243,7 +257,9 @@ class FrontendLink:
                 except Exception:  # one odd message must not stop every job's answers
                     log.exception("frontend message %r not understood", msg[:2])
         if self.process is None:
-            self._die("the engine's frontend closed the connection (its worker stopped)")
+            # the frontend's own process is its worker's to watch: this process learns of a death
+            # from that worker's stop (``watch_owner``), or from its next request
+            self._die("the engine's frontend closed the connection (its worker stopped)", False)
             return
         self.process.join(5)
         self._die(f"the engine process exited (code {self.process.exitcode})")
@@ -253,6 +269,9 @@ class FrontendLink:
         if kind == "stats":
             if self._on_stats is not None:
                 self._on_stats(rid)
+            return
+        if kind == "dead":  # vLLM's engine core is gone (``rid``: why), whatever is running
+            self._die(rid)
             return
         with self._lock:
             lead = self._leads.pop(rid, None)
@@ -273,13 +292,19 @@ class FrontendLink:
         except concurrent.futures.InvalidStateError:  # its waiter cancelled it meanwhile
             pass
 
-    def _die(self, reason: str) -> None:
-        """No more answers will come: every waiting request fails as a dead engine."""
+    def _die(self, reason: str, death: bool = True) -> None:
+        """No more answers will come: every waiting request fails as a dead engine, and, for a
+        ``death``, the ``on_death`` callback runs (unless the engine was closed on purpose)."""
         with self._lock:
-            if self.dead is None:
+            first = self.dead is None
+            if first:
                 self.dead = reason
             pending, self._pending = self._pending, {}
             leads, self._leads = self._leads, {}
+            callback = None
+            if first and death and not self._closed:
+                self._died = True
+                callback = self._on_death
         for lead in leads.values():
             lead.set()
         for future in pending.values():
@@ -288,6 +313,8 @@ class FrontendLink:
                     future.set_exception(EngineDead(reason))
                 except concurrent.futures.InvalidStateError:
                     pass
+        if callback is not None:
+            callback()
 
 
 class FrontendProcess(FrontendLink):
@@ -320,6 +347,7 @@ class FrontendProcess(FrontendLink):
         super().__init__(conn, on_stats, process)
 
     def close(self, timeout_s: float = 30.0) -> None:
+        self._closed = True
         try:
             self._write(pickle.dumps(("close",)))
         except EngineDead:
@@ -458,6 +486,7 @@ class Frontend:
         self._owner: dict[str, _Link] = {}  # each request's connection, until its answer
         self._admitting = False
         self._tasks: dict[str, asyncio.Task[Output]] = {}
+        self._intakes: list[_Link] = []  # the intake processes' connections, while open
         self.engine, self.plan = self._call(self._build(model_path))
         tokenizer = self.engine.get_tokenizer()
         if asyncio.iscoroutine(tokenizer):  # vLLM < 0.30 made it a coroutine
@@ -498,8 +527,19 @@ class Frontend:
             await engine.do_log_stats()
 
     async def _report(self) -> None:
-        while True:  # the worker that started this process keeps the engine's gauges
+        """Send the engine's numbers every ``STATS_EVERY_S`` (the worker that started this
+        process keeps the engine's gauges), and tell every connection once vLLM's engine core
+        is gone. A request running then fails with vLLM's ``EngineDeadError``, but an engine
+        that dies with none running would otherwise go unnoticed until the next job."""
+        while True:
             self.main.out.put(("stats", self.stats.totals()))
+            if getattr(self.engine, "errored", False):
+                log.error("vLLM's engine core is gone; telling the worker")
+                with self._lock:
+                    links = [self.main, *self._intakes]
+                for link in links:
+                    link.out.put(("dead", "vLLM's engine core is gone"))
+                return
             await asyncio.sleep(STATS_EVERY_S)
 
     def listen(self, listener: Any, key: bytes) -> None:
@@ -537,8 +577,11 @@ class Frontend:
             conn.close()
             return
         link = _Link(conn, name)
+        with self._lock:
+            self._intakes.append(link)
         self._read(link)
         with self._lock:
+            self._intakes.remove(link)
             mine = [rid for rid, owner in self._owner.items() if owner is link]
         for rid in mine:  # nobody waits for these any more
             self._abort(rid)

@@ -41,14 +41,13 @@ from schemas.jobs import BATCH_PATTERN, CHECKED
 from schemas.results import ErrorType
 
 from . import metrics
-from .app import EXIT_ENGINE, app, exit_after_handing_back, settings, state, while_full
+from .app import app, engine_died, settings, state, while_full
 from .engine import EngineDead
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _store: Any = None
 _lock = threading.Lock()
-_dying = False
 
 
 def store() -> Any:
@@ -153,7 +152,7 @@ def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
         # Producers validate first, so this is a hand-made message: fail it, never crash.
         result = _failed(task, payload, "invalid_job", str(exc).splitlines()[0])
     else:
-        if _dying:  # the engine is gone and the process about to exit: hand back, uncounted
+        if state.dying:  # the engine is gone and the process about to exit: hand back, uncounted
             time.sleep(0.5)  # its consumer stops within a second: no cycling the queue till then
             raise Reject("the engine died; the job goes back to the queue", requeue=True)
         started = while_full("start", lambda: store().start(env.batch, env.job.id))
@@ -197,7 +196,7 @@ def _generate(task: Task, env: Envelope, payload: dict[str, Any], worker: str) -
     try:
         return run_job(env, state.engine, settings, worker, templates(), result_cache())
     except EngineDead:
-        _engine_died()
+        engine_died()
         raise Reject("the engine died; the job goes back to the queue", requeue=True) from None
     except RedisError:
         raise
@@ -264,17 +263,6 @@ def _unrecordable(task: Task, payload: Any, exc: RedisError) -> dict[str, Any]:
                 result.id, result.batch, exc, again,
             )  # fmt: skip
     return {"id": result.id, "status": "failed", "error": "internal_error"}
-
-
-def _engine_died() -> None:
-    """Exit non-zero so the supervisor restarts the worker, once every job this process holds
-    is handed back (those it cannot hand back return after the visibility timeout)."""
-    global _dying
-    with _lock:
-        if not _dying:
-            _dying = True
-            log.critical("the vLLM engine died; exiting %d for a restart", EXIT_ENGINE)
-            exit_after_handing_back(EXIT_ENGINE)
 
 
 def _dead_letter(
