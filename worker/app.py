@@ -408,7 +408,7 @@ class Intakes:
                 if proc.poll() is None or self.stopping.is_set():
                     continue
                 dead = getattr(getattr(state.engine, "frontend", None), "dead", None)
-                if dead:  # the engine is gone: this process exits too, at its next job
+                if dead:  # the engine is gone: every process of this worker exits for it
                     return
                 log.error(
                     "intake process %s exited (code %s); its jobs return after the visibility "
