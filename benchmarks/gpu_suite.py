@@ -17,6 +17,13 @@ rounds; the order of the systems rotates from round to round):
                 every result (the clock runs from the first submit to the last result read).
   vqueue no-monitor  (only when named in ``--systems``) the same worker and jobs, each with
                 ``early_stop: false``: the confidence monitor's own share of a row.
+  raw AsyncLLM as sent  (only when named) the raw AsyncLLM engine given every prompt at once
+                with what a worker adds to each request of a job without early stop (its
+                priority order, its tenant's ``cache_salt``, ``detokenize=False``): whether
+                a gap between vqueue and raw lies in what the requests carry or in how they
+                arrive. Not a baseline: it gets a ratio to raw as vqueue's rows do. It runs
+                raw's prompts on raw's engine, and its salt keeps it from finding them in that
+                engine's prefix cache, as vLLM keys every cached block by its request's salt.
   vqueue@NAME=VALUE[;NAME=VALUE]  (only when named) one more worker with an engine of its
                 own, started with ``VQUEUE_NAME=VALUE``: a worker setting against raw vLLM and
                 the default worker in the same rounds (``vqueue@INTAKE_PROCESSES=2``).
@@ -71,11 +78,12 @@ from . import workloads as wl
 
 ROOT = Path(__file__).resolve().parent.parent
 _jobs: TypeAdapter[Any] = TypeAdapter(Job)
-SYSTEMS = ("raw LLM.chat", "raw AsyncLLM", "vqueue", "vqueue no-monitor")
+AS_SENT = "raw AsyncLLM as sent"
+SYSTEMS = ("raw LLM.chat", "raw AsyncLLM", "vqueue", "vqueue no-monitor", AS_SENT)
 RAW = SYSTEMS[:2]
 # the same worker and jobs with the confidence monitor off (each job's ``early_stop: false``):
 # what the monitor itself costs a row, told apart from the queue path in the same rounds
-QUEUED = SYSTEMS[2:]
+QUEUED = SYSTEMS[2:4]
 # "vqueue@NAME=VALUE[;NAME=VALUE]": one more worker of its own, started with VQUEUE_NAME=VALUE
 # in its environment (e.g. vqueue@INTAKE_PROCESSES=2), run in the same rounds as the others:
 # a worker setting measured against raw vLLM and the default worker on the same card
@@ -448,7 +456,7 @@ class RawEngines:
             self.llm_start_s = time.perf_counter() - t
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        if "raw AsyncLLM" in a.systems:
+        if "raw AsyncLLM" in a.systems or AS_SENT in a.systems:
             t = time.perf_counter()
             self.engine = self._call(self._build_async(kwargs))
             self.async_start_s = time.perf_counter() - t
@@ -499,7 +507,7 @@ class RawEngines:
         prep = self.prepared(jobs)
         if system == "raw LLM.chat":
             return self._offline(name, rnd, prep)
-        return self._online(name, rnd, prep)
+        return self._online(name, rnd, prep, system)
 
     def _offline(self, name: str, rnd: int, prep: list) -> dict[str, Any]:
         from worker.runner import _wants_json, sampling_params
@@ -544,11 +552,24 @@ class RawEngines:
             retried=len(again),
         )
 
-    def _online(self, name: str, rnd: int, prep: list) -> dict[str, Any]:
+    def _online(self, name: str, rnd: int, prep: list, system: str) -> dict[str, Any]:
         from worker.frontend import _arrived_at, _first_token_at, _scheduled_at
         from worker.runner import _wants_json, sampling_params
 
         room = self.settings.max_model_len
+        as_sent = system == AS_SENT
+        # what ``EngineHost.generate`` adds to a request (worker/engine.py)
+        salt = {"cache_salt": self.settings.tenant} if as_sent else {}
+
+        def params_of(job: Any, n: int) -> Any:
+            params = sampling_params(job, n)
+            if as_sent and not params.stop:  # the worker decodes the answer's ids itself
+                params.detokenize = False
+            return params
+
+        def order(job: Any) -> int:
+            by_priority = as_sent and self.settings.scheduling_policy == "priority"
+            return 9 - job.priority if by_priority else 0
 
         async def one(job: Any, ids: list[int], n: int) -> tuple[int, int, Stamps, int]:
             tokens, retried, cached = 0, 0, 0
@@ -558,7 +579,10 @@ class RawEngines:
                 final = None
                 sent = time.time()
                 async for out in self.engine.generate(
-                    {"prompt_token_ids": ids}, sampling_params(job, n), uuid.uuid4().hex
+                    {"prompt_token_ids": ids, **salt},
+                    params_of(job, n),
+                    uuid.uuid4().hex,
+                    priority=order(job),
                 ):
                     final = out
                 assert final is not None
@@ -590,7 +614,7 @@ class RawEngines:
         stamps = [r[2] for r in res]
         return row(
             name,
-            "raw AsyncLLM",
+            system,
             rnd,
             wall,
             len(res),
@@ -847,7 +871,7 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
     round (median), and the equal-work check. Returns the summary rows and the failed checks."""
     problems: list[str] = []
     for r in rows:
-        if not queued(r["system"]):
+        if r["system"] in RAW:
             continue
         raws = [
             x
@@ -906,7 +930,7 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
                 "cpu_s_other": _median(r.get("cpu_s_other") for r in rs),
                 "host_cores_busy": _median(r.get("host_cores_busy") for r in rs),
             }
-            if queued(s) and any("ratio_vs_raw" in r for r in rs):
+            if s not in RAW and any("ratio_vs_raw" in r for r in rs):
                 summary["ratio_vs_raw"] = statistics.median(
                     r["ratio_vs_raw"] for r in rs if "ratio_vs_raw" in r
                 )
