@@ -487,6 +487,7 @@ class Frontend:
         self._admitting = False
         self._tasks: dict[str, asyncio.Task[Output]] = {}
         self._intakes: list[_Link] = []  # the intake processes' connections, while open
+        self._stopping = False
         self.engine, self.plan = self._call(self._build(model_path))
         tokenizer = self.engine.get_tokenizer()
         if asyncio.iscoroutine(tokenizer):  # vLLM < 0.30 made it a coroutine
@@ -533,7 +534,7 @@ class Frontend:
         that dies with none running would otherwise go unnoticed until the next job."""
         while True:
             self.main.out.put(("stats", self.stats.totals()))
-            if getattr(self.engine, "errored", False):
+            if getattr(self.engine, "errored", False) and not self._stopping:
                 log.error("vLLM's engine core is gone; telling the worker")
                 with self._lock:
                     links = [self.main, *self._intakes]
@@ -592,6 +593,7 @@ class Frontend:
         try:
             self._read(self.main)
         finally:
+            self._stopping = True  # vLLM reads as errored from here on: no death to report
             try:
                 quiet = _stop_output_handler(self.engine)
                 done = asyncio.run_coroutine_threadsafe(quiet, self.loop)
