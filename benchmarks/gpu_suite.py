@@ -764,10 +764,14 @@ class Vqueue:
 # ------------------------------------------------------------------------------- the GPU
 class GpuWatch:
     """The GPU's SM clock, power and throttle reasons every 100 ms (NVML, through vLLM's own
-    copy of pynvml), so that a row can say whether the card itself ran slower during it."""
+    copy of pynvml), so that a row can say whether the card itself ran slower during it; and
+    each process's share of the SMs (NVML's per-process samples), so that a row can say
+    whether its own engine or another process kept the card busy."""
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, int, float, int]] = []  # time, MHz, W, reasons
+        self.by_pid: list[tuple[float, int, int]] = []  # time, pid, SM %
+        self._seen = 0  # NVML's timestamp (µs) of the last per-process sample read
         try:
             from vllm.third_party import pynvml
 
@@ -791,20 +795,42 @@ class GpuWatch:
                 )
             except Exception:  # noqa: BLE001
                 return
+            self._processes()
             time.sleep(0.1)
 
-    def during(self, t0: float, t1: float) -> dict[str, Any]:
+    def _processes(self) -> None:
+        """NVML's per-process SM samples since the last read (none yet, or a driver without
+        them: the rows go without, the clock and power samples go on)."""
+        try:
+            got = self._nvml.nvmlDeviceGetProcessUtilization(self._h, self._seen)
+        except Exception:  # noqa: BLE001
+            return
+        for x in got:
+            self._seen = max(self._seen, int(x.timeStamp))
+            self.by_pid.append((x.timeStamp / 1e6, int(x.pid), int(x.smUtil)))
+
+    def during(self, t0: float, t1: float, own: set[int] | None = None) -> dict[str, Any]:
         xs = [x for x in self.samples if t0 <= x[0] <= t1]
         if not xs:
             return {}
         # reasons other than idle (1) and the application clock setting (2)
         slowed = sum(1 for x in xs if x[3] & ~0x3) / len(xs)
-        return {
+        out = {
             "sm_mhz_mean": statistics.mean(x[1] for x in xs),
             "sm_mhz_min": min(x[1] for x in xs),
             "power_w_mean": statistics.mean(x[2] for x in xs),
             "throttled_share": slowed,
         }
+        per: dict[int, list[int]] = {}
+        for at, pid, sm in self.by_pid:
+            if t0 <= at <= t1:
+                per.setdefault(pid, []).append(sm)
+        if per and own is not None:  # each process's mean SM %, summed by side
+            means = {pid: statistics.mean(v) for pid, v in per.items()}
+            out["gpu_sm_own"] = sum(m for pid, m in means.items() if pid in own)
+            out["gpu_sm_others"] = sum(m for pid, m in means.items() if pid not in own)
+            out["gpu_sm_by_pid"] = {str(pid): round(m, 1) for pid, m in means.items()}
+        return out
 
 
 class CpuTree:
@@ -814,6 +840,7 @@ class CpuTree:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        self.pids: set[int] = {pid}  # the tree at the last snapshot
         self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
     @staticmethod
@@ -845,6 +872,7 @@ class CpuTree:
                 if ppid == parent and pid not in mine:
                     mine.add(pid)
                     todo.append(pid)
+        self.pids = mine
         split = {"engine_core": 0.0, "other": 0.0}
         for pid in mine:
             if pid in procs:
@@ -919,6 +947,10 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
                     if r.get("cached_tokens") is not None and r["prompt_tokens"]
                 ),
                 "power_w": _median(r.get("power_w_mean") for r in rs),
+                # SM % of the row's own processes and of every other (another engine's work
+                # would share the card with this row's)
+                "gpu_sm_own": _median(r.get("gpu_sm_own") for r in rs),
+                "gpu_sm_others": _median(r.get("gpu_sm_others") for r in rs),
                 # how the engine spent the run (ENGINE_SERIES): equal tokens in more steps,
                 # or prompts recomputed after preemption, is more engine work
                 "engine_steps": _median(r.get("engine_steps") for r in rs),
@@ -1215,8 +1247,9 @@ def main() -> None:
                         r = on[s].run(name, mine, rnd, s)
                     else:
                         r = raw.run(s, name, rnd)
-                    r.update(started_at=t_run, **gpu.during(t_run, time.time()))
+                    t_end = time.time()
                     r.update(tree.between(before, tree.snapshot(), r.get("engine_steps")))
+                    r.update(started_at=t_run, **gpu.during(t_run, t_end, tree.pids))
                     if profiled:
                         (prof / "on").unlink()
                         time.sleep(0.6)  # each writes its stacks under prof/part
