@@ -37,6 +37,7 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -493,6 +494,10 @@ class Frontend:
         if asyncio.iscoroutine(tokenizer):  # vLLM < 0.30 made it a coroutine
             tokenizer = self._call(tokenizer)
         self.tokenizer = tokenizer
+        # vLLM and its engine client stay for the process's life: out of the collector's walks
+        # (``worker.app.freeze_heap``; vLLM's API server freezes its heap the same way)
+        gc.collect()
+        gc.freeze()
         # vLLM's cached tokenizer pickles (vLLM sends it to its own processes the same way)
         conn.send(("ready", self.plan, tokenizer))
         self.main = _Link(conn, "vqueue-frontend")
