@@ -1408,3 +1408,21 @@ def test_sockets_and_boards_of_processes_that_are_gone_are_removed(tmp_path: Pat
     # When a worker starts, Then the dead process's files go and the live one's stay
     assert remove_stale_files((str(tmp_path),)) == 2
     assert not any(p.exists() for p in left) and all(p.exists() for p in live)
+
+
+@pytest.mark.unit
+def test_a_ready_worker_process_takes_its_startup_heap_out_of_the_collectors_walks() -> None:
+    import gc
+
+    # Given a process that has imported the worker (Celery, vLLM's parameters, the runner)
+    import worker.runner  # noqa: F401
+    from worker.app import freeze_heap
+
+    gc.unfreeze()
+    try:
+        # When Celery says it is ready (worker_ready)
+        freeze_heap()
+        # Then what it imported is frozen: a full collection no longer walks it
+        assert gc.get_freeze_count() > 10_000
+    finally:
+        gc.unfreeze()
