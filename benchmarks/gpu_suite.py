@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import re
@@ -79,7 +80,12 @@ from . import workloads as wl
 ROOT = Path(__file__).resolve().parent.parent
 _jobs: TypeAdapter[Any] = TypeAdapter(Job)
 AS_SENT = "raw AsyncLLM as sent"
-SYSTEMS = ("raw LLM.chat", "raw AsyncLLM", "vqueue", "vqueue no-monitor", AS_SENT)
+# the worker's own engine (``EngineHost``: its frontend process, the monitor, what it adds to a
+# request) driven from the raw process with raw's token ids, every prompt at once: no Celery, no
+# Redis, no intake processes. Beside ``AS_SENT`` it splits a gap between the worker's engine
+# process and the way the queue hands it jobs
+ALONE = "vqueue engine alone"
+SYSTEMS = ("raw LLM.chat", "raw AsyncLLM", "vqueue", "vqueue no-monitor", AS_SENT, ALONE)
 RAW = SYSTEMS[:2]
 # the same worker and jobs with the confidence monitor off (each job's ``early_stop: false``):
 # what the monitor itself costs a row, told apart from the queue path in the same rounds
@@ -460,6 +466,14 @@ class RawEngines:
             t = time.perf_counter()
             self.engine = self._call(self._build_async(kwargs))
             self.async_start_s = time.perf_counter() - t
+        self.host: Any = None
+        self.host_start_s = 0.0
+        if ALONE in a.systems:
+            from worker.engine import EngineHost
+
+            t = time.perf_counter()
+            self.host = EngineHost(self.settings)
+            self.host_start_s = time.perf_counter() - t
         from transformers import AutoTokenizer
 
         from worker.prompts import PromptTokenizer
@@ -507,7 +521,70 @@ class RawEngines:
         prep = self.prepared(jobs)
         if system == "raw LLM.chat":
             return self._offline(name, rnd, prep)
+        if system == ALONE:
+            return self._alone(name, rnd, prep)
         return self._online(name, rnd, prep, system)
+
+    def _alone(self, name: str, rnd: int, prep: list) -> dict[str, Any]:
+        """Every prompt at once into the worker's ``EngineHost``, one thread a job, with the
+        requests a worker sends (``runner._attempts``: the job's monitor, priority and tenant),
+        and the same retry of a cut-off JSON answer as the raw rows. The monitor watches but
+        never aborts, so that the tokens stay raw's."""
+        from worker.confidence import Monitor
+        from worker.runner import _wants_json, early_stop_policy, sampling_params
+
+        s, host, room = self.settings, self.host, self.settings.max_model_len
+
+        def one(job: Any, ids: list[int], n: int) -> tuple[int, int, Stamps, int]:
+            policy = early_stop_policy(job, s)
+            monitor = None
+            if policy is not None:
+                grace = max(policy.grace_tokens, job.min_tokens)
+                monitor = Monitor(policy.threshold, policy.window, grace, abort=False)
+            tokens, retried, first_first, previous = 0, 0, None, None
+            for attempt in (0, 1):
+                gen = host.generate(ids, sampling_params(job, n), monitor=monitor,
+                                    priority=job.priority, salt=s.tenant)  # fmt: skip
+                tokens += gen.completion_tokens
+                st = Stamps(sent=gen.sent_at, submitted=gen.submitted_at,
+                            scheduled=gen.scheduled_at, first=gen.first_token_at,
+                            finished=gen.finished_at or time.time())  # fmt: skip
+                first_first = st.first if attempt == 0 else first_first
+                cut = gen.finish_reason == "length"
+                if attempt or not (_wants_json(job) and cut and room - len(ids) > n):
+                    break
+                n, retried, previous = min(2 * n, room - len(ids)), 1, st.finished
+            return (
+                tokens,
+                retried,
+                st._replace(ttft_first=first_first, previous=previous),
+                (gen.cached_tokens),
+            )
+
+        def counters() -> dict[str, float]:
+            return engine_counters(host.frontend.metrics_text() or "")
+
+        before = counters()
+        t, t0 = time.perf_counter(), time.time()
+        with ThreadPoolExecutor(max_workers=max(1, len(prep))) as pool:
+            res = list(pool.map(lambda p: one(p[0], p[2], p[3]), prep))
+        wall = time.perf_counter() - t
+        work = engine_work(before, counters())
+        stamps = [r[2] for r in res]
+        return row(
+            name,
+            ALONE,
+            rnd,
+            wall,
+            len(res),
+            sum(r[0] for r in res),
+            sum(len(ids) for _, _, ids, _ in prep),
+            [x.ttft_first - t0 for x in stamps if x.ttft_first],
+            retried=sum(r[1] for r in res),
+            cached_tokens=sum(r[3] for r in res),
+            **work,
+            **phases([x._replace(enqueued=t0, started=t0) for x in stamps], t0),
+        )
 
     def _offline(self, name: str, rnd: int, prep: list) -> dict[str, Any]:
         from worker.runner import _wants_json, sampling_params
@@ -632,9 +709,14 @@ def serve_raw(a: argparse.Namespace) -> None:
     """The raw child: build both engines, say READY, then one ROW line per RUN line."""
     loads = {int(r): w for r, w in json.loads(Path(a.out, "workloads.json").read_text()).items()}
     raw = RawEngines(a, loads)
+    # as vLLM's own server and every worker process do once started: no collection of the
+    # oldest generation walks the imported libraries in the middle of a raw row
+    gc.collect()
+    gc.freeze()
     starts = {
         "llm_start_s": raw.llm_start_s,
         "async_start_s": raw.async_start_s,
+        "engine_alone_start_s": raw.host_start_s,
         "plan": raw.plan.as_dict(),
     }
     print("READY " + json.dumps(starts), flush=True)
@@ -646,6 +728,8 @@ def serve_raw(a: argparse.Namespace) -> None:
         print("ROW " + json.dumps(raw.run(system, name, int(rnd))), flush=True)
     if raw.engine is not None:
         raw.engine.shutdown()
+    if raw.host is not None:
+        raw.host.close()
 
 
 class RawChild:
@@ -1219,6 +1303,8 @@ def main() -> None:
 
         meta["vllm"] = vllm.__version__
         systems = [s for s in SYSTEMS if s in a.systems] + variants
+        gc.collect()  # this process submits vqueue's jobs and reads their results: as above
+        gc.freeze()
         on = {s: vqs.get(s, vq) for s in systems if queued(s)}  # the worker each system runs on
         for name, jobs in loads[0].items():  # round 0: every workload warm on every system
             for s in systems:
