@@ -24,6 +24,10 @@ rounds; the order of the systems rotates from round to round):
                 arrive. Not a baseline: it gets a ratio to raw as vqueue's rows do. It runs
                 raw's prompts on raw's engine, and its salt keeps it from finding them in that
                 engine's prefix cache, as vLLM keys every cached block by its request's salt.
+  vqueue engine alone  (only when named) the worker's ``EngineHost`` (its frontend process and
+                engine, the monitor, what it adds to each request) built in the raw process
+                and given raw's token ids at once, one thread a job: beside the as-sent row,
+                whether a gap lies in the worker's engine process or in the queue before it.
   vqueue@NAME=VALUE[;NAME=VALUE]  (only when named) one more worker with an engine of its
                 own, started with ``VQUEUE_NAME=VALUE``: a worker setting against raw vLLM and
                 the default worker in the same rounds (``vqueue@INTAKE_PROCESSES=2``).
