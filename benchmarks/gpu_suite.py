@@ -410,6 +410,8 @@ def vqueue_row(
     ]
     parts = phases([Stamps.of(x.timings) for x in res], t_wall0)
     generated = sum(x.usage.completion_tokens + x.usage.wasted_tokens for x in res)
+    sent = [x for x in res if x.timings.submitted_at]
+    last = max(sent, key=lambda x: x.timings.submitted_at) if sent else None
     return row(
         name,
         system,
@@ -426,7 +428,20 @@ def vqueue_row(
         cached_tokens=sum(x.usage.cached_tokens for x in res),
         **(engine_work(before, after) if before and after else {}),
         **parts,
+        last_into_engine=_one_job(last, t_wall0) if last else None,
     )
+
+
+def _one_job(x: Any, t0: float) -> dict[str, Any]:
+    """One job's way through the worker, its clocks in seconds from the row's start: which
+    process took it (``worker``), and where the time went for the job that reached vLLM last."""
+    st = Stamps.of(x.timings)
+    return {
+        "id": x.id,
+        "worker": x.worker,
+        "attempts": len(x.attempts or []),
+        **{k: round(v - t0, 4) for k, v in st._asdict().items() if v is not None},
+    }
 
 
 def _scrape(url: str | None) -> dict[str, float] | None:
