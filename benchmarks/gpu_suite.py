@@ -432,6 +432,20 @@ def vqueue_row(
     )
 
 
+def online_row(
+    name: str, system: str, rnd: int, wall: float, t0: float, prep: list,
+    res: list[tuple[int, int, Stamps, int]], work: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """A row of prompts handed to an engine at ``t0`` without a queue: per job, its tokens,
+    whether it ran again, its clocks and its cached prompt tokens."""
+    stamps = [r[2] for r in res]
+    tokens, prompts = sum(r[0] for r in res), sum(len(ids) for _, _, ids, _ in prep)
+    ttft = [x.ttft_first - t0 for x in stamps if x.ttft_first]
+    return row(name, system, rnd, wall, len(res), tokens, prompts, ttft,
+               retried=sum(r[1] for r in res), cached_tokens=sum(r[3] for r in res), **work,
+               **phases([x._replace(enqueued=t0, started=t0) for x in stamps], t0))  # fmt: skip
+
+
 def _one_job(x: Any, t0: float) -> dict[str, Any]:
     """One job's way through the worker, its clocks in seconds from the row's start: which
     process took it (``worker``), and where the time went for the job that reached vLLM last."""
@@ -588,22 +602,7 @@ class RawEngines:
         with ThreadPoolExecutor(max_workers=max(1, len(prep))) as pool:
             res = list(pool.map(lambda p: one(p[0], p[2], p[3]), prep))
         wall = time.perf_counter() - t
-        work = engine_work(before, counters())
-        stamps = [r[2] for r in res]
-        return row(
-            name,
-            ALONE,
-            rnd,
-            wall,
-            len(res),
-            sum(r[0] for r in res),
-            sum(len(ids) for _, _, ids, _ in prep),
-            [x.ttft_first - t0 for x in stamps if x.ttft_first],
-            retried=sum(r[1] for r in res),
-            cached_tokens=sum(r[3] for r in res),
-            **work,
-            **phases([x._replace(enqueued=t0, started=t0) for x in stamps], t0),
-        )
+        return online_row(name, ALONE, rnd, wall, t0, prep, res, engine_work(before, counters()))
 
     def _offline(self, name: str, rnd: int, prep: list) -> dict[str, Any]:
         from worker.runner import _wants_json, sampling_params
@@ -707,21 +706,7 @@ class RawEngines:
         res = self._call(everything())
         wall = time.perf_counter() - t
         work = engine_work(before, self._counters())
-        stamps = [r[2] for r in res]
-        return row(
-            name,
-            system,
-            rnd,
-            wall,
-            len(res),
-            sum(r[0] for r in res),
-            sum(len(ids) for _, _, ids, _ in prep),
-            [x.ttft_first - t0 for x in stamps if x.ttft_first],
-            retried=sum(r[1] for r in res),
-            cached_tokens=sum(r[3] for r in res),
-            **work,
-            **phases([x._replace(enqueued=t0, started=t0) for x in stamps], t0),
-        )
+        return online_row(name, system, rnd, wall, t0, prep, res, work)
 
 
 def serve_raw(a: argparse.Namespace) -> None:
