@@ -5,8 +5,9 @@
 
 With ``VQUEUE_BENCH_GC_DIR`` set, each process also appends every garbage collection that
 stopped it for more than a millisecond to ``<dir>/gc-<pid>.tsv`` (wall time at its end,
-generation, milliseconds, process title): whether collector pauses line up with a row's slow
-jobs."""
+generation, milliseconds, the start of its command line): whether collector pauses line up
+with a row's slow jobs. One file per process: on a device call, keep the folder out of
+``$OUT`` and bring back a tar of it."""
 
 import os
 
