@@ -446,6 +446,24 @@ def online_row(
                **phases([x._replace(enqueued=t0, started=t0) for x in stamps], t0))  # fmt: skip
 
 
+def json_retry(job: Any, cut: bool, prompt_len: int, n: int, room: int) -> int | None:
+    """The worker's one rerun of a JSON answer cut off at ``max_tokens`` (``runner``): the
+    tokens it runs again with (twice as many, within the context), None when it does not."""
+    from worker.runner import _wants_json
+
+    if _wants_json(job) and cut and room - prompt_len > n:
+        return min(2 * n, room - prompt_len)
+    return None
+
+
+def freeze_heap() -> None:
+    """As vLLM's own server and every worker process do once started
+    (``worker.app.freeze_heap``): no collection of the oldest generation walks the imported
+    libraries in the middle of a row."""
+    gc.collect()
+    gc.freeze()
+
+
 def _one_job(x: Any, t0: float) -> dict[str, Any]:
     """One job's way through the worker, its clocks in seconds from the row's start: which
     process took it (``worker``), and where the time went for the job that reached vLLM last."""
@@ -564,7 +582,7 @@ class RawEngines:
         and the same retry of a cut-off JSON answer as the raw rows. The monitor watches but
         never aborts, so that the tokens stay raw's."""
         from worker.confidence import Monitor
-        from worker.runner import _wants_json, early_stop_policy, sampling_params
+        from worker.runner import early_stop_policy, sampling_params
 
         s, host, room = self.settings, self.host, self.settings.max_model_len
 
@@ -583,16 +601,12 @@ class RawEngines:
                             scheduled=gen.scheduled_at, first=gen.first_token_at,
                             finished=gen.finished_at or time.time())  # fmt: skip
                 first_first = st.first if attempt == 0 else first_first
-                cut = gen.finish_reason == "length"
-                if attempt or not (_wants_json(job) and cut and room - len(ids) > n):
+                more = json_retry(job, gen.finish_reason == "length", len(ids), n, room)
+                if attempt or more is None:
                     break
-                n, retried, previous = min(2 * n, room - len(ids)), 1, st.finished
-            return (
-                tokens,
-                retried,
-                st._replace(ttft_first=first_first, previous=previous),
-                (gen.cached_tokens),
-            )
+                n, retried, previous = more, 1, st.finished
+            stamps = st._replace(ttft_first=first_first, previous=previous)
+            return tokens, retried, stamps, gen.cached_tokens
 
         def counters() -> dict[str, float]:
             return engine_counters(host.frontend.metrics_text() or "")
@@ -605,7 +619,7 @@ class RawEngines:
         return online_row(name, ALONE, rnd, wall, t0, prep, res, engine_work(before, counters()))
 
     def _offline(self, name: str, rnd: int, prep: list) -> dict[str, Any]:
-        from worker.runner import _wants_json, sampling_params
+        from worker.runner import sampling_params
 
         t = time.perf_counter()
         outs = self.llm.chat(
@@ -614,13 +628,13 @@ class RawEngines:
             use_tqdm=False,
         )
         generated = sum(len(o.outputs[0].token_ids) for o in outs)
-        again = [
-            (k, min(2 * n, self.settings.max_model_len - len(outs[k].prompt_token_ids or ids)))
-            for k, (j, _, ids, n) in enumerate(prep)
-            if _wants_json(j)
-            and outs[k].outputs[0].finish_reason == "length"
-            and self.settings.max_model_len - len(outs[k].prompt_token_ids or ids) > n
-        ]
+        room = self.settings.max_model_len
+        again = []
+        for k, ((j, _, ids, n), o) in enumerate(zip(prep, outs, strict=True)):
+            cut = o.outputs[0].finish_reason == "length"
+            more = json_retry(j, cut, len(o.prompt_token_ids or ids), n, room)
+            if more is not None:
+                again.append((k, more))
         if again:  # the worker's retry of a cut-off JSON answer, as one more offline call
             more = self.llm.chat(
                 [prep[k][1] for k, _ in again],
@@ -649,7 +663,7 @@ class RawEngines:
 
     def _online(self, name: str, rnd: int, prep: list, system: str) -> dict[str, Any]:
         from worker.frontend import _arrived_at, _first_token_at, _scheduled_at
-        from worker.runner import _wants_json, sampling_params
+        from worker.runner import sampling_params
 
         room = self.settings.max_model_len
         as_sent = system == AS_SENT
@@ -692,10 +706,12 @@ class RawEngines:
                     finished=time.time(),
                 )
                 first_first = st.first if attempt == 0 else first_first  # TTFT: as before
-                cut = final.outputs[0].finish_reason == "length"
-                if attempt or not (_wants_json(job) and cut and room - len(ids) > n):
+                more = json_retry(
+                    job, final.outputs[0].finish_reason == "length", len(ids), n, room
+                )
+                if attempt or more is None:
                     break
-                n, retried, previous = min(2 * n, room - len(ids)), 1, st.finished
+                n, retried, previous = more, 1, st.finished
             return tokens, retried, st._replace(ttft_first=first_first, previous=previous), cached
 
         async def everything() -> list[tuple[int, int, Stamps, int]]:
@@ -713,10 +729,7 @@ def serve_raw(a: argparse.Namespace) -> None:
     """The raw child: build both engines, say READY, then one ROW line per RUN line."""
     loads = {int(r): w for r, w in json.loads(Path(a.out, "workloads.json").read_text()).items()}
     raw = RawEngines(a, loads)
-    # as vLLM's own server and every worker process do once started: no collection of the
-    # oldest generation walks the imported libraries in the middle of a raw row
-    gc.collect()
-    gc.freeze()
+    freeze_heap()
     starts = {
         "llm_start_s": raw.llm_start_s,
         "async_start_s": raw.async_start_s,
@@ -1307,8 +1320,7 @@ def main() -> None:
 
         meta["vllm"] = vllm.__version__
         systems = [s for s in SYSTEMS if s in a.systems] + variants
-        gc.collect()  # this process submits vqueue's jobs and reads their results: as above
-        gc.freeze()
+        freeze_heap()  # this process submits vqueue's jobs and reads their results
         on = {s: vqs.get(s, vq) for s in systems if queued(s)}  # the worker each system runs on
         for name, jobs in loads[0].items():  # round 0: every workload warm on every system
             for s in systems:
