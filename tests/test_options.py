@@ -152,8 +152,9 @@ def test_truncation_keeps_the_end_it_names() -> None:
 
 
 def test_rate_limit_per_tenant(worker: WorkerProc, redis_client: redis.Redis) -> None:
-    # Given two tenants, each limited to 20 jobs/s with a burst of 5
-    limits = {"team-a": 20.0, "team-b": 20.0}
+    # Given two tenants with a burst of 5 each: team-a limited to 20 jobs/s, team-b to one job
+    # every two seconds (so that its bucket cannot refill between two calls on a slow host)
+    limits = {"team-a": 20.0, "team-b": 0.5}
     s = make_settings(worker.queue, tenant="team-a", rate_limits=limits, rate_limit_burst=5)
     waits: list[str] = []
     client = Client(s, on_wait=waits.append)
