@@ -27,6 +27,7 @@ from pydantic import TypeAdapter
 
 from protocol.routing import Router
 from protocol.store import BatchStore, refused_for_memory
+from protocol.wire import Frame
 from schemas import BatchStatus, Envelope, Job, JobResult, Settings, get_settings
 
 log = logging.getLogger("vqueue")
@@ -536,8 +537,6 @@ class Client:
         With a broker of its own the send follows the claim, and may have died with its
         producer: such an id is sent again, and the worker runs it once.
         """
-        from protocol.wire import task_message
-
         self._admit(len(envelopes), batch_id)
         if force:  # a forced re-run: withdraw the results these ids have
             for e in envelopes:
@@ -545,9 +544,8 @@ class Client:
         # a prefix group's jobs travel together, so an engine takes them in one stretch
         envelopes = sorted(envelopes, key=lambda e: e.prefix_key or "")
         if self.broker is self.store.r:  # queues and batches in one Redis: one atomic step
-            routed = self._route(envelopes)
-            jobs = [(e.job.id, *task_message(e, queue)) for queue, group in routed for e in group]
-            flags = self.store.claim_send(batch_id, jobs, fed, again or force)
+            messages = self._frames(envelopes)
+            flags = self.store.claim_send(batch_id, messages, fed, again or force)
             return flags.count(-1), 0 if again or force else flags.count(0)
         flags = self.store.claim(batch_id, [e.job.id for e in envelopes])
         todo = [e for e, f in zip(envelopes, flags, strict=True) if f >= 0]
@@ -573,11 +571,22 @@ class Client:
             out.append((s.queue, envelopes))
         return [(queue, group) for queue, group in out if group]
 
-    def _send(self, envelopes: list[Envelope]) -> None:
-        from protocol.wire import send_envelopes
+    def _frames(self, envelopes: list[Envelope]) -> list[Frame]:
+        """``envelopes`` routed, as messages: an urgent job alone in its message, so that
+        nothing waits on its way; the rest ``jobs_per_message`` to a message."""
+        from protocol.routing import urgent_queue
+        from protocol.wire import frames
 
+        urgent, per = urgent_queue(self.settings.queue), self.settings.jobs_per_message
+        out: list[Frame] = []
         for queue, group in self._route(envelopes):
-            send_envelopes(self.broker, group, queue)
+            out += frames(group, queue, 1 if queue == urgent else per)
+        return out
+
+    def _send(self, envelopes: list[Envelope]) -> None:
+        from protocol.wire import push
+
+        push(self.broker, self._frames(envelopes))
 
     def window(self) -> int:
         """Jobs of one batch that may be in Redis at once (``Settings.feed_window``); by

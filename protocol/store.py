@@ -43,6 +43,8 @@ from schemas import BatchStatus, CanaryReport, JobError, JobResult, Settings, Ti
 from schemas.jobs import BATCH_PATTERN
 from schemas.templates import Template
 
+from .wire import Frame
+
 # Every script that reads or writes a job's done mark starts with this: KEYS[1] is the batch
 # hash, KEYS[2] the done map's name, and ``mark(id)`` the key holding the id's mark. A map of
 # ``shards`` parts is keys the script derives, not keys it is given: vqueue runs on a single
@@ -133,11 +135,13 @@ return flags
 
 # KEYS: batch hash, done hash, then the queue lists. ARGV: ttl, the feed's position after this
 # chunk ("" for none), the time, "1" to push again ids claimed before and not done ("" not to),
-# then per job: its id, the index in KEYS of its list, its message. Claims each id as _CLAIM
-# does and pushes the message of each new one, in one step. An id claimed before and not done
-# had its message pushed by the script that claimed it, so it is in a queue or with a worker
-# already: pushing it again would only run it twice at once. It goes again when the caller
-# knows that message is gone (a forced re-run withdrew its result; a lost job is resent).
+# then per message: the index in KEYS of its list, its job count n, the message's JSON before
+# its envelopes and after them, then per job its id and its envelope's piece
+# (``protocol.wire.frames``). Claims each id as _CLAIM does and pushes one message of the new
+# ones' pieces, in one step. An id claimed before and not done had its envelope pushed by the
+# script that claimed it, so it is in a queue or with a worker already: pushing it again would
+# only run it twice at once. It goes again when the caller knows that message is gone (a forced
+# re-run withdrew its result; a lost job is resent).
 # Redis (6 and 7 alike) refuses a script's write for memory only until its first write has
 # run, and only reads come before the first claim: out of memory, the chunk is refused before
 # anything is written, else it runs whole. So a chunk is never counted without its messages in
@@ -147,19 +151,26 @@ _CLAIM_SEND = (
     + """
 local flags, new, touched = {}, 0, {}
 local again = ARGV[4] ~= ''
-for i = 5, #ARGV, 3 do
-  local id, flag = ARGV[i], -1
-  local marks = mark(id)
-  touched[marks] = true
-  if redis.call('HSETNX', marks, id, '') == 1 then
-    new, flag = new + 1, 1
-  elseif redis.call('HGET', marks, id) == '' then
-    flag = 0
+local i = 5
+while i <= #ARGV do
+  local list, n = KEYS[tonumber(ARGV[i])], tonumber(ARGV[i + 1])
+  local pieces = {}
+  for j = i + 4, i + 2 + 2 * n, 2 do
+    local id, flag = ARGV[j], -1
+    local marks = mark(id)
+    touched[marks] = true
+    if redis.call('HSETNX', marks, id, '') == 1 then
+      new, flag = new + 1, 1
+    elseif redis.call('HGET', marks, id) == '' then
+      flag = 0
+    end
+    if flag == 1 or (flag == 0 and again) then pieces[#pieces + 1] = ARGV[j + 1] end
+    flags[#flags + 1] = flag
   end
-  if flag == 1 or (flag == 0 and again) then
-    redis.call('LPUSH', KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2])
+  if #pieces > 0 then
+    redis.call('LPUSH', list, ARGV[i + 2] .. table.concat(pieces, ',') .. ARGV[i + 3])
   end
-  flags[#flags + 1] = flag
+  i = i + 4 + 2 * n
 end
 if new > 0 then redis.call('HINCRBY', KEYS[1], 'total', new) end
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'fed', ARGV[2], 'fed_at', ARGV[3]) end
@@ -441,23 +452,25 @@ class BatchStore:
     def claim_send(
         self,
         batch: str,
-        jobs: list[tuple[str, str, str]],
+        messages: list[Frame],
         fed: int | None = None,
         again: bool = False,
     ) -> list[int]:
         """``claim`` and push in one step, where the queues live in this Redis: each of
-        ``jobs`` is (job id, queue list, message); its message is pushed if its id is new
-        (flag 1), or claimed before and not done (flag 0) and ``again`` says that earlier
-        message is gone. ``fed``: how many of the input's jobs are sent once this chunk is,
-        recorded with it (``fed_position``). All or nothing: a refusal for memory
-        (``refused_for_memory``) means none was claimed or sent, and the position did not
-        move."""
-        lists = list(dict.fromkeys(key for _, key, _ in jobs))
+        ``messages`` is (queue list, head, tail, [(job id, piece)]) (``protocol.wire.frames``);
+        a job goes in its message if its id is new (flag 1), or claimed before and not done
+        (flag 0) and ``again`` says that earlier message is gone. One flag per job, in order.
+        ``fed``: how many of the input's jobs are sent once this chunk is, recorded with it
+        (``fed_position``). All or nothing: a refusal for memory (``refused_for_memory``)
+        means none was claimed or sent, and the position did not move."""
+        lists = list(dict.fromkeys(key for key, _, _, _ in messages))
         at = {key: i + 3 for i, key in enumerate(lists)}  # Lua counts KEYS from 1
         position = "" if fed is None else fed
         args: list[Any] = [self.ttl_s, position, time.time(), "1" if again else ""]
-        for ident, key, message in jobs:
-            args += [ident, at[key], message]
+        for key, head, tail, pieces in messages:
+            args += [at[key], len(pieces), head, tail]
+            for ident, piece in pieces:
+                args += [ident, piece]
         keys = [self.key(batch), self.key(batch, "done"), *lists]
         return [int(f) for f in self._claim_send(keys=keys, args=args)]
 

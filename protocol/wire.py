@@ -5,6 +5,9 @@ a queue declaration and a Redis round trip each). Writing the same message kombu
 transport would write, and pushing a thousand of them per pipelined round trip, costs a few
 tens of microseconds. ``tests/test_publish.py`` checks the message against the one Celery and
 kombu produce themselves, and the pipeline tests have real workers consume it.
+
+A message may carry several jobs (a pack, ``Settings.jobs_per_message``): Celery's consumer
+costs a worker about as much CPU per message whatever the message holds.
 """
 
 from __future__ import annotations
@@ -45,10 +48,33 @@ def queue_keys(queue: str) -> list[str]:
     return [queue_key(queue, p) for p in PRIORITY_STEPS]
 
 
-def task_message(env: Envelope, queue: str) -> tuple[str, str]:
-    """(Redis list, message JSON) for one envelope, as kombu's Redis transport stores it."""
-    job = env.job
-    task_id = f"{env.batch}:{job.id}"  # unique per job, readable in Flower, stable on re-send
+# stands where a message's envelopes go while its frame is written; JSON escapes it unchanged
+_SLOT = "@vqueue-envelopes@"
+
+# one piece of a message's envelopes: what the envelope's JSON becomes inside the message's
+# ``body`` string (a JSON string in a JSON string), so pieces join with "," in any subset
+Frame = tuple[str, str, str, list[tuple[str, str]]]
+
+
+def envelope_piece(env: Envelope) -> str:
+    return json.dumps(env.wire())[1:-1]
+
+
+def message_frame(envelopes: list[Envelope], queue: str) -> tuple[str, str, str]:
+    """(Redis list, the message's JSON up to its envelopes, the JSON after them) for a message
+    carrying ``envelopes``, as kombu's Redis transport stores a Celery protocol v2 message.
+    One envelope is the task's argument itself; more are a pack, one list argument, which
+    a worker runs at once (``Settings.jobs_per_message``). A pack's envelopes share a type
+    and a priority (one task name, one list), so the frame fits any subset of them."""
+    first, n = envelopes[0], len(envelopes)
+    job = first.job
+    task_id = f"{first.batch}:{job.id}"  # unique per job, readable in Flower, stable on re-send
+    what = f"{job.type} id={job.id}"
+    args = f"[{_SLOT}]"
+    if n > 1:  # Celery allows one id per message: the first job's, marked as a pack's
+        task_id += f"+{n - 1}"
+        what = f"{n} {job.type} jobs ids={job.id}..{envelopes[-1].job.id}"
+        args = f"[[{_SLOT}]]"
     step = redis_priority(job.priority)
     headers: dict[str, Any] = {
         "lang": "py",
@@ -64,7 +90,7 @@ def task_message(env: Envelope, queue: str) -> tuple[str, str]:
         "root_id": task_id,
         "parent_id": None,
         # what Flower shows instead of the whole prompt
-        "argsrepr": f"{job.type} id={job.id} batch={env.batch} prefix={env.prefix_key}",
+        "argsrepr": f"{what} batch={first.batch} prefix={first.prefix_key}",
         "kwargsrepr": "{}",
         "origin": _ORIGIN,
         "ignore_result": True,
@@ -74,7 +100,7 @@ def task_message(env: Envelope, queue: str) -> tuple[str, str]:
     }
     message = {
         # protocol v2 body: [args, kwargs, embed]; plain JSON (no body_encoding) decodes as is
-        "body": f"[[{env.wire()}], {{}}, {_EMBED}]",
+        "body": f"[{args}, {{}}, {_EMBED}]",
         "content-encoding": "utf-8",
         "content-type": "application/json",
         "headers": headers,
@@ -87,15 +113,53 @@ def task_message(env: Envelope, queue: str) -> tuple[str, str]:
             "delivery_tag": str(uuid.uuid4()),
         },
     }
-    return queue_key(queue, step), json.dumps(message, separators=(",", ":"))
+    head, tail = json.dumps(message, separators=(",", ":")).split(_SLOT)
+    return queue_key(queue, step), head, tail
+
+
+def frames(envelopes: list[Envelope], queue: str, per_message: int = 1) -> list[Frame]:
+    """``envelopes`` as messages of at most ``per_message`` each, in their order: (Redis list,
+    head, tail, [(job id, piece)]); a message's JSON is head + ",".join(pieces) + tail. Only
+    neighbours of one type and priority share a message, so a prefix group sorted together
+    travels together."""
+    out: list[Frame] = []
+    run: list[Envelope] = []
+
+    def close() -> None:
+        if run:
+            key, head, tail = message_frame(run, queue)
+            out.append((key, head, tail, [(e.job.id, envelope_piece(e)) for e in run]))
+            run.clear()
+
+    for env in envelopes:
+        if run and (
+            len(run) >= per_message
+            or env.job.type != run[0].job.type
+            or env.job.priority != run[0].job.priority
+        ):
+            close()
+        run.append(env)
+    close()
+    return out
+
+
+def task_message(env: Envelope, queue: str) -> tuple[str, str]:
+    """(Redis list, message JSON) for one envelope."""
+    key, head, tail = message_frame([env], queue)
+    return key, head + envelope_piece(env) + tail
+
+
+def push(broker: redis.Redis, messages: list[Frame]) -> None:
+    """Push ``messages`` whole, in one pipelined round trip."""
+    pipe = broker.pipeline(transaction=False)
+    for key, head, tail, pieces in messages:
+        pipe.lpush(key, head + ",".join(p for _, p in pieces) + tail)
+    pipe.execute()
 
 
 def send_envelopes(broker: redis.Redis, envelopes: list[Envelope], queue: str) -> None:
-    """Push ``envelopes`` in one pipelined round trip."""
-    pipe = broker.pipeline(transaction=False)
-    for env in envelopes:
-        pipe.lpush(*task_message(env, queue))
-    pipe.execute()
+    """Push ``envelopes``, one to a message, in one pipelined round trip."""
+    push(broker, frames(envelopes, queue))
 
 
 def queue_depth(client: redis.Redis, queue: str) -> int:

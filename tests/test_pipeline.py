@@ -6,10 +6,12 @@ import asyncio
 import json
 import re
 import urllib.request
+import uuid
 from pathlib import Path
 
 import jsonschema
 import pytest
+import redis
 
 from producer import AsyncClient, BatchNotFound, Client, WaitTimeout
 from schemas import CodegenJob, ExtractJob, SummarizeJob
@@ -172,6 +174,53 @@ def test_jobs_run_concurrently_in_one_engine(worker: WorkerProc, client: Client)
     # Then the engine held them all at once (continuous batching) instead of one after another
     assert max(seen) >= 6, seen
     assert {r.worker for r in results} == {worker.node}
+
+
+def test_jobs_packed_to_a_message_each_run_once_and_a_redelivered_pack_runs_none_again(
+    worker: WorkerProc, redis_client: redis.Redis
+) -> None:
+    # Given ten jobs submitted four to a message, to a queue no worker takes from, with one
+    # already submitted alone before
+    from protocol.wire import queue_keys
+
+    held = f"{worker.queue}-held-{uuid.uuid4().hex[:6]}"
+    packing = Client(make_settings(held, jobs_per_message=4))
+    jobs = [SummarizeJob(type="summarize", id=f"k{i}", max_tokens=8, text=f"Item {i} of ten.")
+            for i in range(10)]  # fmt: skip
+    batch_id = f"packs-{uuid.uuid4().hex[:8]}"
+    packing.submit_many(jobs[3:4], batch=batch_id, seal=False)
+    batch = packing.submit_many(jobs, batch=batch_id)
+    # Then they wait as four messages: the early one alone, then the ten framed 4, 4, 2, less
+    # the one sent before (its message is queued already)
+    messages = [m for key in queue_keys(held) for m in redis_client.lrange(key, 0, -1)]
+
+    def carried(message: str) -> int:
+        arg = json.loads(json.loads(message)["body"])[0][0]
+        return len(arg) if isinstance(arg, list) else 1
+
+    assert sorted(carried(m) for m in messages) == [1, 2, 3, 4]
+    # When the worker takes them, and afterwards one pack is delivered again
+    for key in queue_keys(held):
+        while redis_client.rpoplpush(key, key.replace(held, worker.queue, 1)):
+            pass
+    st = batch.wait(timeout=300)
+
+    def duplicates() -> float:
+        name = 'vqueue_jobs_duplicate_total{type="summarize"} '
+        text = urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics").read()
+        lines = text.decode().splitlines()
+        return sum(float(x.split()[-1]) for x in lines if x.startswith(name))
+
+    before = duplicates()
+    redis_client.lpush(queue_keys(worker.queue)[0], max(messages, key=carried))
+    # Then the worker finds each of the redelivered pack's four jobs done and runs none again
+    wait_for(lambda: duplicates() - before >= 4, 60, "the pack's four jobs as duplicates")
+    # and every job ran once: ten results, none twice
+    results = list(batch.results(timeout=60))
+    assert (st.total, st.completed) == (10, 10)
+    assert sorted(r.id for r in results) == sorted(j.id for j in jobs)
+    assert all(r.status == "completed" and r.text for r in results)
+    assert batch.status().completed == 10
 
 
 def _gauge(port: int, name: str) -> float:

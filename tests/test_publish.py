@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from protocol.wire import queue_key, task_message
-from schemas import Envelope, SummarizeJob
+from schemas import Envelope, ExtractJob, SummarizeJob
 from worker.app import create_app
 
 from .conftest import RUN, make_settings
@@ -62,6 +62,47 @@ def test_message_matches_what_celery_and_kombu_write(redis_client: redis.Redis) 
         decoded = [channel.Message(m, channel=channel).decode() for m in (ours, theirs)]
     assert decoded[0] == decoded[1]
     assert decoded[0][0][0]["job"]["id"] == "a1"
+
+
+def test_a_pack_message_decodes_to_its_envelopes_whole_or_in_part(
+    redis_client: redis.Redis,
+) -> None:
+    # Given three envelopes of one type and priority framed as one message, and a fourth of
+    # another type after them
+    from protocol.wire import frames
+
+    queue = f"vqtest-{RUN}-pack"
+    app = create_app(make_settings(queue))
+    jobs = [SummarizeJob(type="summarize", id=f"p{i}", text=f"Text {i}.") for i in range(3)]
+    envs = [Envelope(job=j, batch="b1", enqueued_at=1.0) for j in jobs]
+    envs.append(Envelope(job=ExtractJob(type="extract", id="x", text="T.", json_schema={}),
+                         batch="b1", enqueued_at=1.0))  # fmt: skip
+    # When they are framed four to a message
+    messages = frames(envs, queue, per_message=4)
+    # Then the three share a message and the other type has its own
+    assert [[i for i, _ in m[3]] for m in messages] == [["p0", "p1", "p2"], ["x"]]
+    key, head, tail, pieces = messages[0]
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+
+        def decode(parts: list[str]) -> Any:
+            raw = json.loads(head + ",".join(parts) + tail)
+            return raw, channel.Message(raw, channel=channel).decode()
+
+        # and kombu decodes the pack to one argument, the list of its envelopes, under the
+        # first job's task id, marked as a pack's
+        raw, (args, kwargs, _) = decode([p for _, p in pieces])
+        assert [e["job"]["id"] for e in args[0]] == ["p0", "p1", "p2"] and kwargs == {}
+        assert raw["headers"]["task"] == "vqueue.summarize"
+        assert raw["headers"]["id"] == "b1:p0+2"
+        # and any part of it (what the claim script pushes when some ids are done) decodes too
+        _, (args, _, _) = decode([pieces[2][1]])
+        assert [e["job"]["id"] for e in args[0]] == ["p2"]
+        # while a lone envelope is the task's argument itself, as Celery would send it
+        lone = json.loads(task_message(envs[3], queue)[1])
+        args, _, _ = channel.Message(lone, channel=channel).decode()
+    assert args[0]["job"]["id"] == "x"
+    assert key == queue_key(queue, 9)
 
 
 def test_a_result_stored_while_the_reader_waits_is_never_skipped(redis_client: redis.Redis) -> None:

@@ -20,6 +20,7 @@ import logging
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from celery import Task, signals
@@ -128,6 +129,58 @@ TRANSIENT_REDIS = (
     ReadOnlyError,
     TryAgainError,
 )
+
+
+_permits: threading.BoundedSemaphore | None = None
+_pack_pool: ThreadPoolExecutor | None = None
+
+
+def permits() -> threading.BoundedSemaphore:
+    """The jobs this process runs at once, single or packed: its share of the worker's
+    concurrency, which Celery's slots bound only while every message is one job."""
+    global _permits
+    if _permits is None:
+        with _lock:
+            _permits = _permits or threading.BoundedSemaphore(settings.worker_concurrency())
+    return _permits
+
+
+def run_pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
+    """A pack's jobs (``Settings.jobs_per_message``), all at once, each exactly as a message
+    of its own would run (``run``), each with a permit. The pack is acknowledged once every
+    job has ended; if any job was handed back (a dead engine, Redis gone), the whole pack is,
+    once the rest have ended: their results are stored, so its next delivery skips them."""
+    global _pack_pool
+    if _pack_pool is None:  # threads start as jobs need them; permits bound how many run
+        with _lock:
+            _pack_pool = _pack_pool or ThreadPoolExecutor(
+                settings.worker_concurrency(), "vqueue-pack"
+            )
+    request = {"hostname": task.request.hostname, "id": task.request.id}
+
+    def one(payload: Any) -> dict[str, Any]:
+        task.push_request(**request)  # Celery's request is per thread
+        try:
+            return run(task, payload)
+        finally:
+            task.pop_request()
+            permits().release()
+
+    futures = []
+    for payload in payloads:
+        permits().acquire()
+        futures.append(_pack_pool.submit(one, payload))
+    summary: dict[str, Any] = {"jobs": len(payloads)}
+    handed_back: BaseException | None = None
+    for future in futures:
+        try:
+            status = future.result()["status"]
+            summary[status] = summary.get(status, 0) + 1
+        except BaseException as exc:  # Reject, or worse: after the rest have ended
+            handed_back = handed_back or exc
+    if handed_back is not None:
+        raise handed_back
+    return summary
 
 
 def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
@@ -297,36 +350,49 @@ def _dead_letter(
 @signals.task_revoked.connect
 def _revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     """A job revoked before it ran (Flower, ``celery control revoke``) still ends with a
-    result, ``cancelled``, so its batch completes. Task ids are ``batch:job`` and batch ids
-    hold no ``:`` (``schemas.jobs.BATCH_PATTERN``), so the id says which job it was."""
+    result, ``cancelled``, so its batch completes; a revoked pack, each of its jobs. Task ids
+    are ``batch:job`` (a pack's: its first job's, ``+N`` more) and batch ids hold no ``:``
+    (``schemas.jobs.BATCH_PATTERN``), so the id says which job it was; a pack's argument
+    names the rest."""
+    if not getattr(sender, "name", "").startswith("vqueue."):
+        return
     task_id = str(getattr(request, "id", "") or "")
     batch, sep, job_id = task_id.partition(":")
     if not sep or not re.fullmatch(BATCH_PATTERN, batch):
         return
-    if not getattr(sender, "name", "").startswith("vqueue."):
-        return
-    result = JobResult(
-        id=job_id,
-        batch=batch,
-        type=sender.name.removeprefix("vqueue."),
-        status="failed",
-        timings=Timings(enqueued_at=0.0, finished_at=time.time()),
-        worker=state.name,
-        error=JobError(type="cancelled", message="revoked before it ran"),
-    )
-    try:
-        if store().record(result):
-            metrics.observe(result)
-    except RedisError as exc:
-        log.error("revoked job %s of batch %s: no result recorded (%s)", job_id, batch, exc)
+    args = getattr(request, "args", None) or [None]
+    jobs = [(batch, job_id)]
+    if isinstance(args[0], list):
+        packed = [p for p in args[0] if isinstance(p, dict) and isinstance(p.get("job"), dict)]
+        jobs = [(str(p.get("batch", "")), str(p["job"].get("id", ""))) for p in packed]
+    for batch, job_id in jobs:
+        if not job_id or not re.fullmatch(BATCH_PATTERN, batch):
+            continue
+        result = JobResult(
+            id=job_id,
+            batch=batch,
+            type=sender.name.removeprefix("vqueue."),
+            status="failed",
+            timings=Timings(enqueued_at=0.0, finished_at=time.time()),
+            worker=state.name,
+            error=JobError(type="cancelled", message="revoked before it ran"),
+        )
+        try:
+            if store().record(result):
+                metrics.observe(result)
+        except RedisError as exc:
+            log.error("revoked job %s of batch %s: no result recorded (%s)", job_id, batch, exc)
 
 
 def _register(job_type: str) -> None:
     # ignore_result: the result lives in the batch stream; a second copy in Celery's backend
     # would cost a MULTI/SET/PUBLISH per job. Flower still sees the summary in task events.
     @app.task(name=task_name(job_type), bind=True, ignore_result=True)
-    def _task(self: Task, payload: dict[str, Any]) -> dict[str, Any]:
-        return run(self, payload)
+    def _task(self: Task, payload: dict[str, Any] | list[Any]) -> dict[str, Any]:
+        if isinstance(payload, list):
+            return run_pack(self, payload)
+        with permits():
+            return run(self, payload)
 
 
 for _t in JOB_TYPES:
