@@ -10,7 +10,11 @@
    record) in one thread on the same STUB engine, by part: what a worker would still pay per
    job if Celery cost nothing.
 
-    .venv/bin/python -m benchmarks.queue_cpu [--jobs 50000] [--stub-jobs 5000]   # its own Redis
+    .venv/bin/python -m benchmarks.queue_cpu [--jobs 50000] [--stub-jobs 5000] \
+        [--per-message 1,16]   # its own Redis
+
+``--per-message`` runs the queue path once per value of ``VQUEUE_JOBS_PER_MESSAGE`` (producer
+and worker alike): the same jobs, as one message each or packed.
 
 Prints a table and writes JSON (benchmarks/results/queue-cpu-<date>.json by default).
 """
@@ -97,7 +101,9 @@ def submit_rate(url: str, n: int) -> dict:
 
 
 @contextlib.contextmanager
-def stub_worker(url: str, queue: str, concurrency: int = 64) -> Iterator[subprocess.Popen]:
+def stub_worker(
+    url: str, queue: str, concurrency: int = 64, per_message: int = 1
+) -> Iterator[subprocess.Popen]:
     """A real ``vqueue worker`` process on the STUB engine consuming ``queue``, once it has
     registered; stopped on leaving. Its log: benchmarks/results/stub-worker.log.tmp."""
     env = dict(
@@ -109,6 +115,7 @@ def stub_worker(url: str, queue: str, concurrency: int = 64) -> Iterator[subproc
         VQUEUE_ENGINE_CLASS="benchmarks.stub_engine:StubEngine",
         VQUEUE_CONCURRENCY=str(concurrency),
         VQUEUE_HEARTBEAT_S="1",
+        VQUEUE_JOBS_PER_MESSAGE=str(per_message),
     )
     log = open(ROOT / "benchmarks" / "results" / "stub-worker.log.tmp", "w")  # noqa: SIM115
     proc = subprocess.Popen(
@@ -134,7 +141,9 @@ def stub_worker(url: str, queue: str, concurrency: int = 64) -> Iterator[subproc
         log.close()
 
 
-def stub_overhead(url: str, n: int, concurrency: int, redis_pid: int | None = None) -> dict:
+def stub_overhead(
+    url: str, n: int, concurrency: int, redis_pid: int | None = None, per_message: int = 1
+) -> dict:
     """The queue path end to end, and where its CPU went per job from the first submit to the
     last result read: the worker's processes, this producer, and Redis (``redis_pid``)."""
     from .gpu_suite import CpuTree
@@ -142,8 +151,9 @@ def stub_overhead(url: str, n: int, concurrency: int, redis_pid: int | None = No
     r = redis.Redis.from_url(url)
     r.flushdb()
     try:
-        with stub_worker(url, "bench-stub", concurrency) as proc:
-            client = Client(settings(url, "bench-stub"))
+        with stub_worker(url, "bench-stub", concurrency, per_message) as proc:
+            s = settings(url, "bench-stub").model_copy(update={"jobs_per_message": per_message})
+            client = Client(s)
             trees = {"worker": CpuTree(proc.pid)}
             if redis_pid:
                 trees["redis"] = CpuTree(redis_pid)
@@ -166,6 +176,7 @@ def stub_overhead(url: str, n: int, concurrency: int, redis_pid: int | None = No
     return {
         "jobs": n,
         "concurrency": concurrency,
+        "jobs_per_message": per_message,
         "wall_s": wall,
         "submit_s": submitted,
         "jobs_per_s": n / wall,
@@ -225,6 +236,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=50_000)
     ap.add_argument("--stub-jobs", type=int, default=5_000)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--per-message", default="1", help="VQUEUE_JOBS_PER_MESSAGE values, a row each")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "queue-cpu-{date}.json"))
     a = ap.parse_args()
     a.out = a.out.format(date=time.strftime("%Y-%m-%d"))
@@ -245,13 +257,16 @@ def measure(a: argparse.Namespace, url: str, redis_pid: int | None = None) -> di
         "cpus": os.cpu_count(),
         "command": " ".join(["python -m benchmarks.queue_cpu", *sys.argv[1:]]),
         "submit": submit_rate(url, a.jobs),
-        "stub_worker": stub_overhead(url, a.stub_jobs, a.concurrency, redis_pid),
+        "stub_workers": [
+            stub_overhead(url, a.stub_jobs, a.concurrency, redis_pid, int(k))
+            for k in str(a.per_message).split(",")
+        ],
         "task_path": task_path(url, a.stub_jobs),
     }
 
 
 def report(res: dict, out: str) -> None:
-    s, w, tp = res["submit"], res["stub_worker"], res["task_path"]
+    s, tp = res["submit"], res["task_path"]
     by_part = ", ".join(f"{k} {v:.0f}" for k, v in tp["us_per_job_by_part"].items())
     rows = [
         (
@@ -264,16 +279,21 @@ def report(res: dict, out: str) -> None:
             f"{s['jobs']} lines",
             f"{s['cli_jobs_per_s']:,.0f} jobs/s",
         ),
-        (
-            "queue path, STUB engine",
-            f"{w['jobs']} jobs, {w['concurrency']} threads",
-            f"{w['jobs_per_s']:,.0f} jobs/s = {w['overhead_ms_per_job']:.2f} ms/job",
-        ),
-        (
-            "queue path, CPU by process",
-            f"{w['host_cores_busy']:.1f} of {res['cpus']} cores busy",
-            ", ".join(f"{k} {v:.2f}" for k, v in w["cpu_ms_per_job"].items()) + " ms/job",
-        ),
+    ]
+    for w in res["stub_workers"]:
+        rows += [
+            (
+                "queue path, STUB engine",
+                f"{w['jobs']} jobs, {w['concurrency']} threads, {w['jobs_per_message']} a message",
+                f"{w['jobs_per_s']:,.0f} jobs/s = {w['overhead_ms_per_job']:.2f} ms/job",
+            ),
+            (
+                "queue path, CPU by process",
+                f"{w['host_cores_busy']:.1f} of {res['cpus']} cores busy",
+                ", ".join(f"{k} {v:.2f}" for k, v in w["cpu_ms_per_job"].items()) + " ms/job",
+            ),
+        ]
+    rows += [
         (
             "a job past Celery, one thread, STUB engine",
             f"{tp['jobs']} jobs",
