@@ -3,6 +3,7 @@ what it costs the producer, the server, the workers and Redis, and whether every
 
     .venv/bin/python -m benchmarks.bulk --jobs 100000 --workers 2
     .venv/bin/python -m benchmarks.bulk --jobs 1000000 --paths cli
+    .venv/bin/python -m benchmarks.bulk --jobs 100000 --per-message 16   # jobs in packs
 
 Per path, on a Redis of its own and ``--workers`` worker processes whose engine is an instant
 STUB (``benchmarks/stub_engine.py``: the queue's own costs, no generation):
@@ -88,6 +89,7 @@ class Run:
         )  # fmt: skip
         if a.window:
             self.env["VQUEUE_FEED_WINDOW"] = str(a.window)
+        self.env["VQUEUE_JOBS_PER_MESSAGE"] = str(a.per_message)
         self.workers: list[subprocess.Popen[Any]] = []
         self.feeder: subprocess.Popen[Any] | None = None
         self.server: subprocess.Popen[Any] | None = None
@@ -310,6 +312,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64, help="each worker's task threads")
     ap.add_argument("--window", type=int, default=0, help="VQUEUE_FEED_WINDOW (0: auto)")
     ap.add_argument("--text-chars", type=int, default=200)
+    ap.add_argument("--per-message", type=int, default=1, help="VQUEUE_JOBS_PER_MESSAGE (packs)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
     if not shutil.which("redis-server"):
@@ -332,6 +335,7 @@ def main() -> None:
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "host": {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 1e9)},
         "engine": "STUB (benchmarks/stub_engine.py): the queue's own costs, no generation",
+        "jobs_per_message": a.per_message,
         "rows": rows,
     }
     head = (f"{'path':<5} {'jobs/s':>8} {'first s':>8} {'redis MB':>9} {'feeder MB':>10} "
@@ -345,7 +349,8 @@ def main() -> None:
         print(f"{r['path']:<5} {r['jobs_per_s']:>8.0f} {r['first_result_s']:>8.2f} "
               f"{p['redis']:>9.0f} {p['feeder']:>10.0f} {p['server']:>10.0f} "
               f"{p['worker']:>10.0f} {st:>22} {'yes' if ok else 'NO':>5}")  # fmt: skip
-    dest = Path(a.out) / f"bulk-{a.jobs}-{time.strftime('%Y-%m-%d')}.json"
+    packs = f"-packs{a.per_message}" if a.per_message > 1 else ""
+    dest = Path(a.out) / f"bulk-{a.jobs}{packs}-{time.strftime('%Y-%m-%d')}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {dest}", file=sys.stderr)
