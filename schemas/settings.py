@@ -313,8 +313,8 @@ class Settings(BaseSettings):
     # and priority this many to a message, and a worker runs a pack's jobs at once. Celery's
     # consumer spends about the same CPU on a message whatever it carries, so packs take a
     # bulk batch past one consumer's messages a second (docs/reliability.md "Big batches").
-    # A worker still runs at most its concurrency in jobs; it may hold up to this many times
-    # that in reserved messages. 1: one job a message.
+    # A worker still runs, and takes in, about its concurrency in jobs (worker/tasks.py counts
+    # its prefetch in jobs). 1: one job a message.
     jobs_per_message: int = Field(default=1, ge=1, le=256)
     # a canary (`vqueue submit --canary 2%`) runs at least this many lines (all, if fewer)
     canary_min_jobs: int = Field(default=10, ge=1)

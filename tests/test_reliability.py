@@ -155,6 +155,36 @@ def test_kill_9_mid_batch_then_restart(procs: Procs, fault_redis: RedisServer) -
     _report("kill -9 mid-batch", {"jobs": 200, "results_at_kill": at_kill, **figures})
 
 
+def test_a_worker_taking_packs_holds_its_concurrency_in_jobs_not_in_messages(
+    procs: Procs, fault_redis: RedisServer
+) -> None:
+    # Given a worker (fake engine: queue mechanics) of concurrency 8, and 48 slow jobs sent
+    # four to a message
+    client = _client(fault_redis.url, jobs_per_message=4)
+    w = procs.fake_worker("packs", fault_redis.url, delay=1.0, concurrency=8)
+    r = client.store.r
+    w.wait_ready(r, timeout=120)
+    batch = client.submit_many(_jobs(48)).id
+
+    def held() -> int:  # jobs in the messages the worker has taken and not acknowledged
+        jobs = 0
+        for raw in r.hvals("unacked"):
+            arg = json.loads(json.loads(raw)[0]["body"])[0][0]
+            jobs += len(arg) if isinstance(arg, list) else 1
+        return jobs
+
+    # When it works through them
+    seen = []
+    while _done(client, batch) < 48:
+        seen.append(held())
+        time.sleep(0.1)
+        assert len(seen) < 1200, "the 48 jobs did not finish in two minutes"
+    # Then it held about its 8 jobs at a time (a pack more at most), never 8 packs of 4, and
+    # every job ran once
+    assert 8 <= max(seen) <= 8 + 3, Counter(seen)
+    _exactly_once(client, batch, 48)
+
+
 def test_hundreds_of_jobs_finishing_at_once(procs: Procs, fault_redis: RedisServer) -> None:
     # Given a worker holding 400 jobs at once (the default holds 512), all finishing together
     client = _client(fault_redis.url)

@@ -145,6 +145,58 @@ def permits() -> threading.BoundedSemaphore:
     return _permits
 
 
+class _Prefetch:
+    """Celery's prefetch counted in jobs, not messages. A consumer takes messages until its
+    unacknowledged ones reach the prefetch count (its concurrency), so packs of k jobs would
+    let it hold k times its share: each received pack lowers the count by its jobs past the
+    first until it ends. Kept here, not by kombu's ``decrement_eventually``, which stops at 1
+    and so could not give back exactly what it took. The consumer thread applies the value
+    (``qos.update`` in Celery's event loop)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.qos: Any = None
+        self.base = 0
+        self.extra = 0
+
+    def take(self, qos: Any, jobs: int) -> None:
+        with self._lock:
+            if self.qos is None:
+                self.qos, self.base = qos, int(qos.value)
+            self._move(jobs - 1)
+
+    def give_back(self, jobs: int) -> None:
+        with self._lock:
+            if self.qos is not None:
+                self._move(1 - jobs)
+
+    def _move(self, by: int) -> None:
+        self.extra += by
+        if self.base:  # 0: no prefetch limit to keep
+            self.qos.value = max(1, self.base - self.extra)
+
+
+_prefetch = _Prefetch()
+
+
+def _pack_size(args: Any) -> int:
+    return len(args[0]) if args and isinstance(args[0], list) else 1
+
+
+@signals.task_received.connect
+def _received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    n = _pack_size(getattr(request, "args", None))
+    if n > 1 and hasattr(sender, "qos"):
+        _prefetch.take(sender.qos, n)
+
+
+@signals.task_postrun.connect
+def _ended(args: Any = None, **_: Any) -> None:
+    n = _pack_size(args)
+    if n > 1:
+        _prefetch.give_back(n)
+
+
 def run_pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
     """A pack's jobs (``Settings.jobs_per_message``), all at once, each exactly as a message
     of its own would run (``run``), each with a permit. The pack is acknowledged once every
@@ -361,6 +413,8 @@ def _revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     if not sep or not re.fullmatch(BATCH_PATTERN, batch):
         return
     args = getattr(request, "args", None) or [None]
+    if _pack_size(args) > 1:  # it never runs: what its arrival took of the prefetch comes back
+        _prefetch.give_back(_pack_size(args))
     jobs = [(batch, job_id)]
     if isinstance(args[0], list):
         packed = [p for p in args[0] if isinstance(p, dict) and isinstance(p.get("job"), dict)]
