@@ -450,6 +450,7 @@ class _WorkerState:
     intakes: Intakes | None = None
     stop = threading.Event()
     dying = False  # the engine is gone: jobs taken from here on go straight back
+    slots = 0  # this process's Celery pool size, once its consumer is ready
 
 
 state = _WorkerState()
@@ -585,6 +586,7 @@ def freeze_heap() -> None:
 @signals.worker_ready.connect
 def _start_heartbeat(sender: Any = None, **_: Any) -> None:
     state.name = getattr(sender, "hostname", None) or f"vqueue@{socket.gethostname()}"
+    state.slots = int(getattr(getattr(sender, "pool", None), "limit", 0) or 0)
     freeze_heap()  # the engine link, the consumer and the pool's threads are up
     threading.Thread(target=_heartbeat, name="vqueue-heartbeat", daemon=True).start()
     threading.Thread(target=_withdrawals, name="vqueue-withdrawals", daemon=True).start()

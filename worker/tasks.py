@@ -136,12 +136,14 @@ _pack_pool: ThreadPoolExecutor | None = None
 
 
 def permits() -> threading.BoundedSemaphore:
-    """The jobs this process runs at once, single or packed: its share of the worker's
-    concurrency, which Celery's slots bound only while every message is one job."""
+    """The jobs this process runs at once, single or packed: its Celery pool's size (its share
+    of the worker's concurrency), which the pool itself bounds only while every message is one
+    job."""
     global _permits
     if _permits is None:
         with _lock:
-            _permits = _permits or threading.BoundedSemaphore(settings.worker_concurrency())
+            slots = state.slots or settings.worker_concurrency()
+            _permits = _permits or threading.BoundedSemaphore(slots)
     return _permits
 
 
@@ -206,7 +208,7 @@ def run_pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
     if _pack_pool is None:  # threads start as jobs need them; permits bound how many run
         with _lock:
             _pack_pool = _pack_pool or ThreadPoolExecutor(
-                settings.worker_concurrency(), "vqueue-pack"
+                state.slots or settings.worker_concurrency(), "vqueue-pack"
             )
     request = {"hostname": task.request.hostname, "id": task.request.id}
 
