@@ -151,9 +151,9 @@ class _Prefetch:
     """Celery's prefetch counted in jobs, not messages. A consumer takes messages until its
     unacknowledged ones reach the prefetch count (its concurrency), so packs of k jobs would
     let it hold k times its share: each received pack lowers the count by its jobs past the
-    first until it ends. Kept here, not by kombu's ``decrement_eventually``, which stops at 1
-    and so could not give back exactly what it took. The consumer thread applies the value
-    (``qos.update`` in Celery's event loop)."""
+    first until it ends (``run_pack``) or is revoked. Kept here, not by kombu's
+    ``decrement_eventually``, which stops at 1 and so could not give back exactly what it
+    took. The consumer thread applies the value (``qos.update`` in Celery's event loop)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -192,13 +192,6 @@ def _received(sender: Any = None, request: Any = None, **_: Any) -> None:
         _prefetch.take(sender.qos, n)
 
 
-@signals.task_postrun.connect
-def _ended(args: Any = None, **_: Any) -> None:
-    n = _pack_size(args)
-    if n > 1:
-        _prefetch.give_back(n)
-
-
 def run_pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
     """A pack's jobs (``Settings.jobs_per_message``), all at once, each exactly as a message
     of its own would run (``run``), each with a permit. The pack is acknowledged once every
@@ -220,21 +213,25 @@ def run_pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
             task.pop_request()
             permits().release()
 
-    futures = []
-    for payload in payloads:
-        permits().acquire()
-        futures.append(_pack_pool.submit(one, payload))
-    summary: dict[str, Any] = {"jobs": len(payloads)}
-    handed_back: BaseException | None = None
-    for future in futures:
-        try:
-            status = future.result()["status"]
-            summary[status] = summary.get(status, 0) + 1
-        except BaseException as exc:  # Reject, or worse: after the rest have ended
-            handed_back = handed_back or exc
-    if handed_back is not None:
-        raise handed_back
-    return summary
+    try:
+        futures = []
+        for payload in payloads:
+            permits().acquire()
+            futures.append(_pack_pool.submit(one, payload))
+        summary: dict[str, Any] = {"jobs": len(payloads)}
+        handed_back: BaseException | None = None
+        for future in futures:
+            try:
+                status = future.result()["status"]
+                summary[status] = summary.get(status, 0) + 1
+            except BaseException as exc:  # Reject, or worse: after the rest have ended
+                handed_back = handed_back or exc
+        if handed_back is not None:
+            raise handed_back
+        return summary
+    finally:  # what its arrival took of the prefetch (``_received``)
+        if len(payloads) > 1:
+            _prefetch.give_back(len(payloads))
 
 
 def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
