@@ -51,12 +51,13 @@ def queue_keys(queue: str) -> list[str]:
 # stands where a message's envelopes go while its frame is written; JSON escapes it unchanged
 _SLOT = "@vqueue-envelopes@"
 
-# one piece of a message's envelopes: what the envelope's JSON becomes inside the message's
-# ``body`` string (a JSON string in a JSON string), so pieces join with "," in any subset
+# a message as (Redis list, its JSON before its envelopes, after them, [(job id, piece)])
 Frame = tuple[str, str, str, list[tuple[str, str]]]
 
 
 def envelope_piece(env: Envelope) -> str:
+    """What the envelope's JSON becomes inside the message's ``body`` string (a JSON string in
+    a JSON string), so that any subset of a pack's pieces joins with "," into its message."""
     return json.dumps(env.wire())[1:-1]
 
 

@@ -412,10 +412,10 @@ def _revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     if not sep or not re.fullmatch(BATCH_PATTERN, batch):
         return
     args = getattr(request, "args", None) or [None]
-    if _pack_size(args) > 1:  # it never runs: what its arrival took of the prefetch comes back
-        _prefetch.give_back(_pack_size(args))
     jobs = [(batch, job_id)]
     if isinstance(args[0], list):
+        if len(args[0]) > 1:  # it never runs: what its arrival took of the prefetch comes back
+            _prefetch.give_back(len(args[0]))
         packed = [p for p in args[0] if isinstance(p, dict) and isinstance(p.get("job"), dict)]
         jobs = [(str(p.get("batch", "")), str(p["job"].get("id", ""))) for p in packed]
     for batch, job_id in jobs:
