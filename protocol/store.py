@@ -612,6 +612,16 @@ class BatchStore:
         args += [result.usage.completion_tokens, result.model or ""]
         return bool(self._record(keys=keys, args=args, client=pipe or self.r))
 
+    def record_many(self, results: list[JobResult]) -> list[bool | redis.RedisError]:
+        """``record`` for several results (a pack's) in one round trip, an answer each in
+        order. A result Redis refused has the error in its place, the others stand, so a
+        retry sends only the refused ones."""
+        pipe = self.r.pipeline(transaction=False)
+        for result in results:
+            self.record(result, pipe)
+        answers = pipe.execute(raise_on_error=False)
+        return [a if isinstance(a, redis.RedisError) else bool(a) for a in answers]
+
     # -- reading
     def status(self, batch: str) -> BatchStatus | None:
         h = self.r.hgetall(self.key(batch))
@@ -692,6 +702,21 @@ class BatchStore:
         keys = [self.key(batch), self.key(batch, "done"), self.key(batch, "attempts")]
         done, n, withdrawn = self._start(keys=keys, args=[job_id, self.ttl_s])
         return bool(done), int(n), withdrawn or None
+
+    def start_many(
+        self, jobs: list[tuple[str, str]]
+    ) -> list[tuple[bool, int, str | None] | redis.RedisError]:
+        """``start`` for several deliveries, (batch, job id) each, in one round trip (a pack's
+        jobs), an answer each in order. A start Redis refused has the error in its place and
+        counted no delivery, so a retry sends only the refused ones."""
+        pipe = self.r.pipeline(transaction=False)
+        for batch, job_id in jobs:
+            keys = [self.key(batch), self.key(batch, "done"), self.key(batch, "attempts")]
+            self._start(keys=keys, args=[job_id, self.ttl_s], client=pipe)
+        return [
+            a if isinstance(a, redis.RedisError) else (bool(a[0]), int(a[1]), a[2] or None)
+            for a in pipe.execute(raise_on_error=False)
+        ]
 
     def withdraw(self, batch: str, reason: str) -> bool:
         """Withdraw the batch's jobs that have not started: a worker that takes one records it

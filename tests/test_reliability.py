@@ -200,17 +200,22 @@ def test_hundreds_of_jobs_finishing_at_once(procs: Procs, fault_redis: RedisServ
     _report("400 jobs finishing at once", {"jobs": 400, **figures})
 
 
-def test_redis_restart_mid_batch(procs: Procs, fault_redis: RedisServer, tmp_path: Path) -> None:
-    # Given a worker and a producer waiting on a 200-job batch
+@pytest.mark.parametrize("per_message", ["1", "4"])
+def test_redis_restart_mid_batch(
+    procs: Procs, fault_redis: RedisServer, tmp_path: Path, per_message: str
+) -> None:
+    # Given a worker and a producer waiting on a 200-job batch, its jobs one to a message or in
+    # packs (whose starts and results go to Redis together)
     client = _client(fault_redis.url)
-    w = procs.fake_worker("r1", fault_redis.url, delay=0.4, concurrency=8)
+    packs = {"VQUEUE_JOBS_PER_MESSAGE": per_message}
+    w = procs.fake_worker("r1", fault_redis.url, delay=0.4, concurrency=8, **packs)
     w.wait_ready(client.store.r, timeout=120)
     src = tmp_path / "jobs.jsonl"
     src.write_text("".join(json.dumps(j) + "\n" for j in _jobs(200)))
     producer = procs.popen(
         [sys.executable, "-m", "producer.cli", "submit", str(src), "--wait", "--json", "-q",
          "--batch", "restart", "--out", str(tmp_path / "out.jsonl")],
-        env=worker_env("faults", VQUEUE_BROKER_URL=fault_redis.url),
+        env=worker_env("faults", VQUEUE_BROKER_URL=fault_redis.url, **packs),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     wait_for(lambda: _done(client, "restart") >= 40, 120, "40 results")
@@ -236,7 +241,8 @@ def test_redis_restart_mid_batch(procs: Procs, fault_redis: RedisServer, tmp_pat
     assert w.stop() == 0  # and the worker rode it out
     # its heartbeat ran out while Redis was away, yet it never took itself for a dead worker
     assert "jobs of workers that are gone" not in w.log_path.read_text()
-    _report("redis restart mid-batch", {"jobs": 200, "results_before_restart": at_stop, **figures})
+    figures = {"jobs": 200, "results_before_restart": at_stop, **figures}
+    _report(f"redis restart mid-batch, {per_message} a message", figures)
 
 
 def test_twenty_redis_restarts_in_a_row(procs: Procs, fault_redis: RedisServer) -> None:

@@ -141,8 +141,10 @@ def test_one_tenant_flooding_the_checks_leaves_the_others_a_child() -> None:
 
 
 # ------------------------------------------------------------------------ Redis at maxmemory
-def _cli(*args: str, url: str, timeout: float = 300) -> subprocess.CompletedProcess[bytes]:
-    return run_cli(*args, queue="full", timeout=timeout, VQUEUE_BROKER_URL=url)
+def _cli(
+    *args: str, url: str, timeout: float = 300, **env: str
+) -> subprocess.CompletedProcess[bytes]:
+    return run_cli(*args, queue="full", timeout=timeout, VQUEUE_BROKER_URL=url, **env)
 
 
 def _write_jobs(path: Path, n: int, prefix: str = "j") -> None:
@@ -153,11 +155,16 @@ def _write_jobs(path: Path, n: int, prefix: str = "j") -> None:
             fh.write("\n")
 
 
-def test_redis_full_loses_no_job_and_stops_no_worker(procs: Procs, tmp_path: Path) -> None:
-    # Given a worker (fake engine) and a Redis whose maxmemory holds a few thousand jobs
+@pytest.mark.parametrize("per_message", ["1", "8"])
+def test_redis_full_loses_no_job_and_stops_no_worker(
+    procs: Procs, tmp_path: Path, per_message: str
+) -> None:
+    # Given a worker (fake engine) and a Redis whose maxmemory holds a few thousand jobs, the
+    # jobs one to a message, or in packs whose starts and results go to Redis together
     server: RedisServer = procs.redis(tmp_path / "redis", aof=False)
     r = redis.Redis.from_url(server.url, decode_responses=True)
-    w = procs.fake_worker("full", server.url, delay=0.05, concurrency=32, queue="full")
+    packs = {"VQUEUE_JOBS_PER_MESSAGE": per_message}
+    w = procs.fake_worker("full", server.url, delay=0.05, concurrency=32, queue="full", **packs)
     w.wait_ready(r)
     # 20,000 in CI; the 100,000 with VQTEST_REDIS_FULL_JOBS=100000
     n = int(os.environ.get("VQTEST_REDIS_FULL_JOBS", "20000"))
@@ -166,7 +173,7 @@ def test_redis_full_loses_no_job_and_stops_no_worker(procs: Procs, tmp_path: Pat
     _write_jobs(jobs, n)
     r.config_set("maxmemory", str(r.info("memory")["used_memory"] + 6 * 1024**2))
     # When the whole file is submitted
-    sub = _cli("submit", str(jobs), "--quiet", url=server.url)
+    sub = _cli("submit", str(jobs), "--quiet", url=server.url, **packs)
     # Then submission stops with one line and exit 11, the batch id on stdout as on success
     stderr = sub.stderr.decode()
     assert sub.returncode == 11, stderr
@@ -194,7 +201,7 @@ def test_redis_full_loses_no_job_and_stops_no_worker(procs: Procs, tmp_path: Pat
     assert "Unrecoverable" not in w.log_path.read_text()
     # and submitting the same file again into the batch sends only the rest: all n, once each
     again = _cli("submit", str(jobs), "--batch", batch, "--wait", "--quiet", url=server.url,
-                 timeout=300 * slow)  # fmt: skip
+                 timeout=300 * slow, **packs)  # fmt: skip
     assert again.returncode == 0, again.stderr.decode()
     assert _one_result_each(r, batch) == n
     assert w.proc.poll() is None

@@ -74,6 +74,37 @@ def while_full(op: str, call: Callable[[], T]) -> T:
         return done
 
 
+def while_full_each(op: str, call: Callable[[list[Any]], list[Any]], items: list[Any]) -> list[Any]:
+    """``while_full`` for a call that answers each of ``items`` in order, a refused item's
+    error in its place (a pipeline, ``BatchStore.start_many``): the items Redis refused for
+    memory are called again, alone, until room comes; any other error stays in its place for
+    the caller."""
+    from . import metrics
+
+    answers: list[Any] = [None] * len(items)
+    todo = list(range(len(items)))
+    wait, longest = FULL_BACKOFF_S
+    refused = 0
+    while True:
+        again = []
+        for i, answer in zip(todo, call([items[i] for i in todo]), strict=True):
+            if isinstance(answer, RedisError) and refused_for_memory(answer):
+                again.append(i)
+            else:
+                answers[i] = answer
+        if not again:
+            if refused:
+                log.warning("Redis has room again: %s went through after %d refusals", op, refused)
+            return answers
+        metrics.REDIS_FULL_WAITS.labels(op).inc()
+        if not refused:
+            log.error("Redis is full (maxmemory): %s waits for room", op)
+        refused += 1
+        todo = again
+        time.sleep(wait)
+        wait = min(wait * 2, longest)
+
+
 def guard_closed_channels() -> None:
     """Make a broker restart a connection error, never an "Unrecoverable error".
 

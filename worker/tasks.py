@@ -20,7 +20,7 @@ import logging
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from celery import Task, signals
@@ -42,7 +42,7 @@ from schemas.jobs import BATCH_PATTERN, CHECKED
 from schemas.results import ErrorType
 
 from . import metrics
-from .app import app, engine_died, settings, state, while_full
+from .app import app, engine_died, settings, state, while_full, while_full_each
 from .engine import EngineDead
 
 log = logging.getLogger(__name__)
@@ -193,45 +193,96 @@ def _received(sender: Any = None, request: Any = None, **_: Any) -> None:
 
 
 def run_pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
-    """A pack's jobs (``Settings.jobs_per_message``), all at once, each exactly as a message
-    of its own would run (``run``), each with a permit. The pack is acknowledged once every
-    job has ended; if any job was handed back (a dead engine, Redis gone), the whole pack is,
-    once the rest have ended: their results are stored, so its next delivery skips them."""
+    """A pack's jobs (``Settings.jobs_per_message``), each ending as a message of its own would
+    (``run``), with a round trip to Redis for the pack's starts and one for each group of
+    results that ends together, not two for every job. Each generation runs at once in a
+    thread of its own with a permit. The pack is acknowledged once every job has ended; if any
+    job was handed back (a dead engine, Redis gone), the whole pack is, once the rest have
+    ended: their results are stored, so its next delivery skips them."""
+    try:
+        return _pack(task, payloads)
+    except TRANSIENT_REDIS as exc:  # before any job ran
+        raise _handed_back(exc) from None
+    finally:  # what its arrival took of the prefetch (``_received``)
+        if len(payloads) > 1:
+            _prefetch.give_back(len(payloads))
+
+
+def _pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
     global _pack_pool
     if _pack_pool is None:  # threads start as jobs need them; permits bound how many run
         with _lock:
             _pack_pool = _pack_pool or ThreadPoolExecutor(
                 state.slots or settings.worker_concurrency(), "vqueue-pack"
             )
+    summary: dict[str, Any] = {"jobs": len(payloads)}
+
+    def count(status: str) -> None:
+        summary[status] = summary.get(status, 0) + 1
+
+    envs = [(p, _parsed(task, p)) for p in payloads]
+    ready = [(p, e) for p, e in envs if isinstance(e, Envelope)]
+    # (payload, result) to record; first, the messages that do not read as a job
+    results = [(p, e) for p, e in envs if isinstance(e, JobResult)]
+    if ready and state.dying:
+        _hand_back_dying()
+    started = while_full_each("start", store().start_many, [(e.batch, e.job.id) for _, e in ready])
     request = {"hostname": task.request.hostname, "id": task.request.id}
 
-    def one(payload: Any) -> dict[str, Any]:
+    def generate(payload: dict[str, Any], env: Envelope, attempts: int) -> JobResult | dict:
         task.push_request(**request)  # Celery's request is per thread
         try:
-            return run(task, payload)
+            with metrics.IN_FLIGHT.track_inprogress():
+                return _generated(task, payload, env, attempts)
         finally:
             task.pop_request()
             permits().release()
 
-    try:
-        futures = []
-        for payload in payloads:
+    running: dict[Future[JobResult | dict[str, Any]], dict[str, Any]] = {}
+    handed_back: BaseException | None = None  # raised once every job that runs has ended
+    for (payload, env), start in zip(ready, started, strict=True):
+        if isinstance(start, RedisError):  # retrying cannot fix it (``run``)
+            count(_unrecordable(task, payload, start)["status"])
+            continue
+        try:
+            step = _admitted(task, payload, env, start)
+        except TRANSIENT_REDIS as exc:
+            handed_back = handed_back or _handed_back(exc)
+            continue
+        if isinstance(step, dict):
+            count(step["status"])
+        elif step is not None:
+            results.append((payload, step))
+        else:
             permits().acquire()
-            futures.append(_pack_pool.submit(one, payload))
-        summary: dict[str, Any] = {"jobs": len(payloads)}
-        handed_back: BaseException | None = None
-        for future in futures:
+            running[_pack_pool.submit(generate, payload, env, start[1])] = payload
+    while True:
+        if results:
             try:
-                status = future.result()["status"]
-                summary[status] = summary.get(status, 0) + 1
+                recorded = while_full_each("record", store().record_many, [r for _, r in results])
+            except TRANSIENT_REDIS as exc:
+                handed_back = handed_back or _handed_back(exc)
+            else:
+                for (payload, result), answer in zip(results, recorded, strict=True):
+                    count(_summary(task, payload, result, answer)["status"])
+        if not running:
+            break
+        ended, _ = wait(running, return_when=FIRST_COMPLETED)
+        results = []
+        for future in ended:
+            payload = running.pop(future)
+            try:
+                outcome = future.result()
             except BaseException as exc:  # Reject, or worse: after the rest have ended
                 handed_back = handed_back or exc
-        if handed_back is not None:
-            raise handed_back
-        return summary
-    finally:  # what its arrival took of the prefetch (``_received``)
-        if len(payloads) > 1:
-            _prefetch.give_back(len(payloads))
+                continue
+            if isinstance(outcome, dict):
+                count(outcome["status"])
+            else:
+                results.append((payload, outcome))
+    if handed_back is not None:
+        raise handed_back
+    return summary
 
 
 def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
@@ -239,51 +290,105 @@ def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
         try:
             return _run(task, payload)
         except TRANSIENT_REDIS as exc:
-            # Redis stayed away past the client's retries. Acknowledging would drop the job
-            # (a failing task is acked): hand it back instead; its result, if it was stored
-            # after all, makes the redelivery a lookup, and each delivery counts toward
-            # max_deliveries, so this cannot loop forever.
-            log.error("job not recorded (%s: %s); back to the queue", type(exc).__name__, exc)
-            raise Reject(f"{type(exc).__name__}: {exc}", requeue=True) from None
+            raise _handed_back(exc) from None
         except RedisError as exc:  # retrying cannot fix it: fail the job, once, loudly
             return _unrecordable(task, payload, exc)
 
 
 def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
-    try:
-        env = Envelope.model_validate(payload, context=CHECKED)
-    except ValidationError as exc:
-        # Producers validate first, so this is a hand-made message: fail it, never crash.
-        result = _failed(task, payload, "invalid_job", str(exc).splitlines()[0])
+    env = _parsed(task, payload)
+    if isinstance(env, JobResult):
+        result = env
     else:
-        if state.dying:  # the engine is gone and the process about to exit: hand back, uncounted
-            time.sleep(0.5)  # its consumer stops within a second: no cycling the queue till then
-            raise Reject("the engine died; the job goes back to the queue", requeue=True)
+        if state.dying:
+            _hand_back_dying()
         started = while_full("start", lambda: store().start(env.batch, env.job.id))
-        done, attempts, withdrawn = started
-        if done:
-            metrics.duplicate(env.job.type)
-            return {"id": env.job.id, "status": "duplicate"}
-        worker = task.request.hostname or state.name
-        if withdrawn in WITHDRAWN:  # the batch was cancelled, or ran out of time
-            message = WITHDRAWN[withdrawn]
-            result = _failed(task, payload, withdrawn, message, env)  # type: ignore[arg-type]
-        elif attempts > settings.max_deliveries:
-            return _dead_letter(env, payload, attempts, worker)
-        elif (
-            env.model is not None
-            and env.model not in getattr(state.engine, "model_names", (env.model,))
-            and (home := _serving_queue(env)) is not None
-        ):  # sent on before this delivery is acknowledged: at worst it arrives twice, and
-            # the second finds the first's result (``start``'s done)
-            from protocol.wire import send_envelopes
+        step = _admitted(task, payload, env, started)
+        if step is None:
+            step = _generated(task, payload, env, started[1])
+        if isinstance(step, dict):
+            return step
+        result = step
+    return _summary(task, payload, result, while_full("record", lambda: store().record(result)))
 
-            while_full("forward", lambda: send_envelopes(_router.broker, [env], home))
-            return {"id": env.job.id, "status": "forwarded", "to": home}
-        else:
-            result = _generate(task, env, payload, worker)
+
+def _handed_back(exc: Exception) -> Reject:
+    """Redis stayed away past the client's retries. Acknowledging would drop the job (a
+    failing task is acked): it goes back instead. Its result, if it was stored after all,
+    makes the redelivery a lookup, and each delivery counts toward ``max_deliveries``, so this
+    cannot loop forever."""
+    log.error("job not recorded (%s: %s); back to the queue", type(exc).__name__, exc)
+    return Reject(f"{type(exc).__name__}: {exc}", requeue=True)
+
+
+def _parsed(task: Task, payload: Any) -> Envelope | JobResult:
+    """The job's envelope, or the failed result of a message that does not read as one:
+    producers validate first, so that is a hand-made message, failed, never a crash."""
+    try:
+        return Envelope.model_validate(payload, context=CHECKED)
+    except ValidationError as exc:
+        return _failed(task, payload, "invalid_job", str(exc).splitlines()[0])
+
+
+def _hand_back_dying() -> None:
+    """The engine is gone and the process about to exit: the job goes back, uncounted."""
+    time.sleep(0.5)  # its consumer stops within a second: no cycling the queue till then
+    raise Reject("the engine died; the job goes back to the queue", requeue=True)
+
+
+def _admitted(
+    task: Task, payload: dict[str, Any], env: Envelope, started: tuple[bool, int, str | None]
+) -> dict[str, Any] | JobResult | None:
+    """What a delivery comes to once started (``BatchStore.start``): a summary when nothing
+    is left to do (a duplicate, a job sent on to its model's worker, a dead letter), a result
+    to record without the engine (its batch withdrawn), or None: generate it."""
+    done, attempts, withdrawn = started
+    if done:
+        metrics.duplicate(env.job.type)
+        return {"id": env.job.id, "status": "duplicate"}
+    if withdrawn in WITHDRAWN:  # the batch was cancelled, or ran out of time
+        message = WITHDRAWN[withdrawn]
+        result = _failed(task, payload, withdrawn, message, env)  # type: ignore[arg-type]
         result.deliveries = attempts
-    if while_full("record", lambda: store().record(result)):
+        return result
+    if attempts > settings.max_deliveries:
+        return _dead_letter(env, payload, attempts, task.request.hostname or state.name)
+    if (
+        env.model is not None
+        and env.model not in getattr(state.engine, "model_names", (env.model,))
+        and (home := _serving_queue(env)) is not None
+    ):  # sent on before this delivery is acknowledged: at worst it arrives twice, and
+        # the second finds the first's result (``start``'s done)
+        from protocol.wire import send_envelopes
+
+        while_full("forward", lambda: send_envelopes(_router.broker, [env], home))
+        return {"id": env.job.id, "status": "forwarded", "to": home}
+    return None
+
+
+def _generated(
+    task: Task, payload: dict[str, Any], env: Envelope, attempts: int
+) -> JobResult | dict[str, Any]:
+    """The job's result from the engine, its delivery count set; a summary when Redis refused
+    for good what the job needed of it (``_unrecordable``). Redis gone raises ``Reject``."""
+    try:
+        result = _generate(task, env, payload, task.request.hostname or state.name)
+    except TRANSIENT_REDIS as exc:
+        raise _handed_back(exc) from None
+    except RedisError as exc:
+        return _unrecordable(task, payload, exc)
+    result.deliveries = attempts
+    return result
+
+
+def _summary(
+    task: Task, payload: Any, result: JobResult, recorded: bool | RedisError
+) -> dict[str, Any]:
+    """What Flower shows of a job whose result went to Redis: ``recorded`` False means an
+    earlier delivery's result was there first; an error, that Redis refused it for good."""
+    if isinstance(recorded, RedisError):
+        return _unrecordable(task, payload, recorded)
+    if recorded:
         metrics.observe(result)
     else:
         metrics.duplicate(result.type)
