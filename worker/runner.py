@@ -650,7 +650,7 @@ def clean_job(job: Any) -> tuple[Any, int]:
     updates: dict[str, Any] = {}
     for name, prose in (("text", True), ("instruction", True), ("context", False),
                         ("prompt", False)):  # fmt: skip
-        value = getattr(job, name, None)
+        value = field_of(job, name)
         if value:
             updates[name] = clean(value, prose)
     if isinstance(job, ChatJob):
@@ -735,8 +735,8 @@ def sampling_params(
     loops: Any = None,
     frequency_penalty: float = 0.0,
 ) -> Any:
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+    # from its module, not ``vllm``'s lazy top level, which imports anew at every call
+    from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
     structured = None
     schema = _schema_of(job)
@@ -770,8 +770,15 @@ def sampling_params(
 
 def _schema_of(job: Any) -> dict[str, Any] | None:
     """The schema an extract job (or a chat job from an OpenAI json_schema line) must satisfy."""
-    schema: dict[str, Any] | None = getattr(job, "json_schema", None)
+    schema: dict[str, Any] | None = field_of(job, "json_schema")
     return schema
+
+
+def field_of(job: Any, name: str) -> Any:
+    """The job's field ``name``, None when its type has no such field. Read from the model's
+    fields: ``getattr(job, name, None)`` on a pydantic model without it goes through pydantic's
+    ``__getattr__``, which raises and catches an error each time, several times a job."""
+    return job.__dict__.get(name)
 
 
 def _wants_json(job: Any) -> bool:
