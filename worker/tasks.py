@@ -366,21 +366,6 @@ def _admitted(
     return None
 
 
-def _generated(
-    task: Task, payload: dict[str, Any], env: Envelope, attempts: int
-) -> JobResult | dict[str, Any]:
-    """The job's result from the engine, its delivery count set; a summary when Redis refused
-    for good what the job needed of it (``_unrecordable``). Redis gone raises ``Reject``."""
-    try:
-        result = _generate(task, env, payload, task.request.hostname or state.name)
-    except TRANSIENT_REDIS as exc:
-        raise _handed_back(exc) from None
-    except RedisError as exc:
-        return _unrecordable(task, payload, exc)
-    result.deliveries = attempts
-    return result
-
-
 def _summary(
     task: Task, payload: Any, result: JobResult, recorded: bool | RedisError
 ) -> dict[str, Any]:
@@ -398,20 +383,29 @@ def _summary(
     return summary
 
 
-def _generate(task: Task, env: Envelope, payload: dict[str, Any], worker: str) -> JobResult:
-    """The job's result, whatever happens on the way, except a dead engine or Redis gone."""
+def _generated(
+    task: Task, payload: dict[str, Any], env: Envelope, attempts: int
+) -> JobResult | dict[str, Any]:
+    """The job's result from the engine, its delivery count set, whatever happens on the way
+    but two things: a dead engine or Redis gone hands it back (``Reject``). A summary instead
+    when Redis refused for good what the job needed of it (``_unrecordable``)."""
     from .runner import run_job
 
+    worker = task.request.hostname or state.name
     try:
-        return run_job(env, state.engine, settings, worker, templates(), result_cache())
+        result = run_job(env, state.engine, settings, worker, templates(), result_cache())
     except EngineDead:
         engine_died()
         raise Reject("the engine died; the job goes back to the queue", requeue=True) from None
-    except RedisError:
-        raise
+    except TRANSIENT_REDIS as exc:
+        raise _handed_back(exc) from None
+    except RedisError as exc:
+        return _unrecordable(task, payload, exc)
     except Exception as exc:  # a bug of ours, or a library's surprise: this job fails alone
         log.exception("job %s of batch %s failed unexpectedly", env.job.id, env.batch)
-        return _failed(task, payload, "internal_error", f"{type(exc).__name__}: {exc}", env)
+        result = _failed(task, payload, "internal_error", f"{type(exc).__name__}: {exc}", env)
+    result.deliveries = attempts
+    return result
 
 
 def _failed(
