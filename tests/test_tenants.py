@@ -183,14 +183,26 @@ def test_redis_full_loses_no_job_and_stops_no_worker(
     sent = status["total"]
     assert 0 < sent < n and "Redis is full" in status["error"], status
     # When Redis stays full while the worker runs the jobs that were sent (its limit below
-    # what it holds), Then the worker waits, both to record the jobs it has run and for one of
-    # the broker's own writes (taking a job records it unacked; acking removes it: which meets
-    # the full Redis first depends on where each thread is), and stays up
+    # what it holds), Then the worker waits, both to record the jobs it has run and, one job a
+    # message, for one of the broker's own writes (taking a job records it unacked; acking
+    # removes it: which meets the full Redis first depends on where each thread is), and stays
+    # up. Packs all wait at their record, each holding its share of the prefetch, so none is
+    # acknowledged and no message taken meanwhile
     r.config_set("maxmemory", str(r.info("memory")["used_memory"] - 512 * 1024))
-    wait_for(
-        lambda: _full_waits(w, "record") and (_full_waits(w, "consume") or _full_waits(w, "ack")),
-        120, "the worker to wait for room to record, and to take or ack jobs",
-    )  # fmt: skip
+    done_then = _done(r, batch)
+    broker_too = per_message == "1"
+    try:
+        wait_for(
+            lambda: _full_waits(w, "record")
+            and (not broker_too or _full_waits(w, "consume") or _full_waits(w, "ack")),
+            120, "the worker to wait for room to record, and to take or ack jobs",
+        )  # fmt: skip
+    except AssertionError as exc:
+        waits = {op: _full_waits(w, op) for op in ("start", "record", "consume", "ack")}
+        raise AssertionError(
+            f"{exc}: {sent} sent, {done_then} done as Redis filled, {_done(r, batch)} now; "
+            f"waits {waits}\nworker log:\n{w.log_path.read_text()[-4000:]}"
+        ) from None
     assert w.proc.poll() is None
     # When memory is freed
     r.config_set("maxmemory", "0")
