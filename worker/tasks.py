@@ -241,13 +241,15 @@ def _pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
     running: dict[Future[JobResult | dict[str, Any]], dict[str, Any]] = {}
     handed_back: BaseException | None = None  # raised once every job that runs has ended
     for (payload, env), start in zip(ready, started, strict=True):
-        if isinstance(start, RedisError):  # retrying cannot fix it (``run``)
-            count(_unrecordable(task, payload, start)["status"])
-            continue
         try:
+            if isinstance(start, RedisError):  # this job's own answer: as ``run`` takes it
+                raise start
             step = _admitted(task, payload, env, start)
         except TRANSIENT_REDIS as exc:
             handed_back = handed_back or _handed_back(exc)
+            continue
+        except RedisError as exc:  # retrying cannot fix it
+            count(_unrecordable(task, payload, exc)["status"])
             continue
         if isinstance(step, dict):
             count(step["status"])
@@ -264,7 +266,10 @@ def _pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
                 handed_back = handed_back or _handed_back(exc)
             else:
                 for (payload, result), answer in zip(results, recorded, strict=True):
-                    count(_summary(task, payload, result, answer)["status"])
+                    if isinstance(answer, TRANSIENT_REDIS):
+                        handed_back = handed_back or _handed_back(answer)
+                    else:
+                        count(_summary(task, payload, result, answer)["status"])
         if not running:
             break
         ended, _ = wait(running, return_when=FIRST_COMPLETED)
