@@ -890,11 +890,17 @@ def test_intake_processes_share_one_engine_and_end_with_the_worker(
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    page = urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10)
-    families = {f.name: f for f in text_string_to_metric_families(page.read().decode())}
-    done = families["vqueue_jobs_completed"].samples
-    assert sum(x.value for x in done if x.labels.get("type") == "summarize") == 24, done
-    assert any(name.startswith("vllm:") for name in families)
+    def families() -> dict[str, Any]:
+        page = urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10)
+        return {f.name: f for f in text_string_to_metric_families(page.read().decode())}
+
+    def summarized() -> float:
+        done = families()["vqueue_jobs_completed"].samples
+        return sum(x.value for x in done if x.labels.get("type") == "summarize")
+
+    # a job is counted a moment after its result is in Redis, where the wait above saw it
+    wait_for(lambda: summarized() == 24, 10, "the metrics to count all 24 jobs")
+    assert any(name.startswith("vllm:") for name in families())
     tree = psutil.Process(w.proc.pid).children(recursive=True)
     cores = [p for p in tree if "EngineCore" in " ".join(p.cmdline()) + p.name()]
     assert len(cores) == 1, [p.cmdline()[:3] for p in tree]
