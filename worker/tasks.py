@@ -21,7 +21,7 @@ import re
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from celery import Task, signals
 from celery.exceptions import Reject
@@ -192,6 +192,20 @@ def _received(sender: Any = None, request: Any = None, **_: Any) -> None:
         _prefetch.take(sender.qos, n)
 
 
+class Delivery(NamedTuple):
+    """Who took a message: the worker's name and the message's task id, read once from
+    Celery's request. Celery keeps its request per thread; a pack's generations run in threads
+    of their own and carry this instead, which costs nothing per job, where pushing a request
+    onto each of those threads built a Celery ``Context`` a job."""
+
+    worker: str
+    task_id: str | None
+
+    @classmethod
+    def of(cls, task: Task) -> Delivery:
+        return cls(task.request.hostname or state.name, task.request.id)
+
+
 def run_pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
     """A pack's jobs (``Settings.jobs_per_message``), each ending as a message of its own would
     (``run``), with a round trip to Redis for the pack's starts and one for each group of
@@ -200,7 +214,7 @@ def run_pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
     job was handed back (a dead engine, Redis gone), the whole pack is, once the rest have
     ended: their results are stored, so its next delivery skips them."""
     try:
-        return _pack(task, payloads)
+        return _pack(Delivery.of(task), payloads)
     except TRANSIENT_REDIS as exc:  # before any job ran
         raise _handed_back(exc) from None
     finally:  # what its arrival took of the prefetch (``_received``)
@@ -208,7 +222,7 @@ def run_pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
             _prefetch.give_back(len(payloads))
 
 
-def _pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
+def _pack(who: Delivery, payloads: list[Any]) -> dict[str, Any]:
     global _pack_pool
     if _pack_pool is None:  # threads start as jobs need them; permits bound how many run
         with _lock:
@@ -220,22 +234,19 @@ def _pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
     def count(status: str) -> None:
         summary[status] = summary.get(status, 0) + 1
 
-    envs = [(p, _parsed(task, p)) for p in payloads]
+    envs = [(p, _parsed(who, p)) for p in payloads]
     ready = [(p, e) for p, e in envs if isinstance(e, Envelope)]
     # (payload, result) to record; first, the messages that do not read as a job
     results = [(p, e) for p, e in envs if isinstance(e, JobResult)]
     if ready and state.dying:
         _hand_back_dying()
     started = while_full_each("start", store().start_many, [(e.batch, e.job.id) for _, e in ready])
-    request = {"hostname": task.request.hostname, "id": task.request.id}
 
     def generate(payload: dict[str, Any], env: Envelope, attempts: int) -> JobResult | dict:
-        task.push_request(**request)  # Celery's request is per thread
         try:
             with metrics.IN_FLIGHT.track_inprogress():
-                return _generated(task, payload, env, attempts)
+                return _generated(who, payload, env, attempts)
         finally:
-            task.pop_request()
             permits().release()
 
     running: dict[Future[JobResult | dict[str, Any]], dict[str, Any]] = {}
@@ -244,12 +255,12 @@ def _pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
         try:
             if isinstance(start, RedisError):  # this job's own answer: as ``run`` takes it
                 raise start
-            step = _admitted(task, payload, env, start)
+            step = _admitted(who, payload, env, start)
         except TRANSIENT_REDIS as exc:
             handed_back = handed_back or _handed_back(exc)
             continue
         except RedisError as exc:  # retrying cannot fix it
-            count(_unrecordable(task, payload, exc)["status"])
+            count(_unrecordable(who, payload, exc)["status"])
             continue
         if isinstance(step, dict):
             count(step["status"])
@@ -269,7 +280,7 @@ def _pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
                     if isinstance(answer, TRANSIENT_REDIS):
                         handed_back = handed_back or _handed_back(answer)
                     else:
-                        count(_summary(task, payload, result, answer)["status"])
+                        count(_summary(who, payload, result, answer)["status"])
         if not running:
             break
         ended, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -291,30 +302,31 @@ def _pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
 
 
 def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
+    who = Delivery.of(task)
     with metrics.IN_FLIGHT.track_inprogress():
         try:
-            return _run(task, payload)
+            return _run(who, payload)
         except TRANSIENT_REDIS as exc:
             raise _handed_back(exc) from None
         except RedisError as exc:  # retrying cannot fix it: fail the job, once, loudly
-            return _unrecordable(task, payload, exc)
+            return _unrecordable(who, payload, exc)
 
 
-def _run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
-    env = _parsed(task, payload)
+def _run(who: Delivery, payload: dict[str, Any]) -> dict[str, Any]:
+    env = _parsed(who, payload)
     if isinstance(env, JobResult):
         result = env
     else:
         if state.dying:
             _hand_back_dying()
         started = while_full("start", lambda: store().start(env.batch, env.job.id))
-        step = _admitted(task, payload, env, started)
+        step = _admitted(who, payload, env, started)
         if step is None:
-            step = _generated(task, payload, env, started[1])
+            step = _generated(who, payload, env, started[1])
         if isinstance(step, dict):
             return step
         result = step
-    return _summary(task, payload, result, while_full("record", lambda: store().record(result)))
+    return _summary(who, payload, result, while_full("record", lambda: store().record(result)))
 
 
 def _handed_back(exc: Exception) -> Reject:
@@ -326,13 +338,13 @@ def _handed_back(exc: Exception) -> Reject:
     return Reject(f"{type(exc).__name__}: {exc}", requeue=True)
 
 
-def _parsed(task: Task, payload: Any) -> Envelope | JobResult:
+def _parsed(who: Delivery, payload: Any) -> Envelope | JobResult:
     """The job's envelope, or the failed result of a message that does not read as one:
     producers validate first, so that is a hand-made message, failed, never a crash."""
     try:
         return Envelope.model_validate(payload, context=CHECKED)
     except ValidationError as exc:
-        return _failed(task, payload, "invalid_job", str(exc).splitlines()[0])
+        return _failed(who, payload, "invalid_job", str(exc).splitlines()[0])
 
 
 def _hand_back_dying() -> None:
@@ -342,7 +354,7 @@ def _hand_back_dying() -> None:
 
 
 def _admitted(
-    task: Task, payload: dict[str, Any], env: Envelope, started: tuple[bool, int, str | None]
+    who: Delivery, payload: dict[str, Any], env: Envelope, started: tuple[bool, int, str | None]
 ) -> dict[str, Any] | JobResult | None:
     """What a delivery comes to once started (``BatchStore.start``): a summary when nothing
     is left to do (a duplicate, a job sent on to its model's worker, a dead letter), a result
@@ -353,11 +365,11 @@ def _admitted(
         return {"id": env.job.id, "status": "duplicate"}
     if withdrawn in WITHDRAWN:  # the batch was cancelled, or ran out of time
         message = WITHDRAWN[withdrawn]
-        result = _failed(task, payload, withdrawn, message, env)  # type: ignore[arg-type]
+        result = _failed(who, payload, withdrawn, message, env)  # type: ignore[arg-type]
         result.deliveries = attempts
         return result
     if attempts > settings.max_deliveries:
-        return _dead_letter(env, payload, attempts, task.request.hostname or state.name)
+        return _dead_letter(env, payload, attempts, who.worker)
     if (
         env.model is not None
         and env.model not in getattr(state.engine, "model_names", (env.model,))
@@ -372,12 +384,12 @@ def _admitted(
 
 
 def _summary(
-    task: Task, payload: Any, result: JobResult, recorded: bool | RedisError
+    who: Delivery, payload: Any, result: JobResult, recorded: bool | RedisError
 ) -> dict[str, Any]:
     """What Flower shows of a job whose result went to Redis: ``recorded`` False means an
     earlier delivery's result was there first; an error, that Redis refused it for good."""
     if isinstance(recorded, RedisError):
-        return _unrecordable(task, payload, recorded)
+        return _unrecordable(who, payload, recorded)
     if recorded:
         metrics.observe(result)
     else:
@@ -389,32 +401,31 @@ def _summary(
 
 
 def _generated(
-    task: Task, payload: dict[str, Any], env: Envelope, attempts: int
+    who: Delivery, payload: dict[str, Any], env: Envelope, attempts: int
 ) -> JobResult | dict[str, Any]:
     """The job's result from the engine, its delivery count set, whatever happens on the way
     but two things: a dead engine or Redis gone hands it back (``Reject``). A summary instead
     when Redis refused for good what the job needed of it (``_unrecordable``)."""
     from .runner import run_job
 
-    worker = task.request.hostname or state.name
     try:
-        result = run_job(env, state.engine, settings, worker, templates(), result_cache())
+        result = run_job(env, state.engine, settings, who.worker, templates(), result_cache())
     except EngineDead:
         engine_died()
         raise Reject("the engine died; the job goes back to the queue", requeue=True) from None
     except TRANSIENT_REDIS as exc:
         raise _handed_back(exc) from None
     except RedisError as exc:
-        return _unrecordable(task, payload, exc)
+        return _unrecordable(who, payload, exc)
     except Exception as exc:  # a bug of ours, or a library's surprise: this job fails alone
         log.exception("job %s of batch %s failed unexpectedly", env.job.id, env.batch)
-        result = _failed(task, payload, "internal_error", f"{type(exc).__name__}: {exc}", env)
+        result = _failed(who, payload, "internal_error", f"{type(exc).__name__}: {exc}", env)
     result.deliveries = attempts
     return result
 
 
 def _failed(
-    task: Task,
+    who: Delivery,
     payload: Any,
     error: ErrorType,
     message: str,
@@ -428,7 +439,7 @@ def _failed(
         job = payload.get("job") if isinstance(payload, dict) else None
         job = job if isinstance(job, dict) else {}
         batch_id = payload.get("batch") if isinstance(payload, dict) else None
-        ident = str(job.get("id", task.request.id))
+        ident = str(job.get("id", who.task_id))
         batch, kind = str(batch_id or ""), str(job.get("type", "unknown"))
         if not re.fullmatch(BATCH_PATTERN, batch):  # a key of another batch's, perhaps
             batch = "invalid-messages"
@@ -438,7 +449,7 @@ def _failed(
         type=kind,
         status="failed",
         timings=Timings(enqueued_at=env.enqueued_at if env else 0.0, finished_at=time.time()),
-        worker=task.request.hostname or state.name,
+        worker=who.worker,
         metadata=env.job.metadata if env else {},
         format=env.format if env else "vqueue",
         prefix_key=env.prefix_key if env else None,
@@ -446,7 +457,7 @@ def _failed(
     )
 
 
-def _unrecordable(task: Task, payload: Any, exc: RedisError) -> dict[str, Any]:
+def _unrecordable(who: Delivery, payload: Any, exc: RedisError) -> dict[str, Any]:
     """Redis refused an operation for good (a key of the wrong type, out of memory): record a
     failed result if Redis still takes one, else park the job as a dead letter, else say so
     loudly. The job is acknowledged: requeueing it would meet the same error forever."""
@@ -455,7 +466,7 @@ def _unrecordable(task: Task, payload: Any, exc: RedisError) -> dict[str, Any]:
         env: Envelope | None = Envelope.model_validate(payload, context=CHECKED)
     except ValidationError:
         env = None
-    result = _failed(task, payload, "internal_error", message, env)
+    result = _failed(who, payload, "internal_error", message, env)
     try:
         if store().record(result):
             metrics.observe(result)
