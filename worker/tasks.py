@@ -244,8 +244,7 @@ def _pack(who: Delivery, payloads: list[Any]) -> dict[str, Any]:
 
     def generate(payload: dict[str, Any], env: Envelope, attempts: int) -> JobResult | dict:
         try:
-            with metrics.IN_FLIGHT.track_inprogress():
-                return _generated(who, payload, env, attempts)
+            return _generated(who, payload, env, attempts)
         finally:
             permits().release()
 
@@ -269,33 +268,43 @@ def _pack(who: Delivery, payloads: list[Any]) -> dict[str, Any]:
         else:
             permits().acquire()
             running[_pack_pool.submit(generate, payload, env, start[1])] = payload
-    while True:
-        if results:
-            try:
-                recorded = while_full_each("record", store().record_many, [r for _, r in results])
-            except TRANSIENT_REDIS as exc:
-                handed_back = handed_back or _handed_back(exc)
-            else:
-                for (payload, result), answer in zip(results, recorded, strict=True):
-                    if isinstance(answer, TRANSIENT_REDIS):
-                        handed_back = handed_back or _handed_back(answer)
-                    else:
-                        count(_summary(who, payload, result, answer)["status"])
-        if not running:
-            break
-        ended, _ = wait(running, return_when=FIRST_COMPLETED)
-        results = []
-        for future in ended:
-            payload = running.pop(future)
-            try:
-                outcome = future.result()
-            except BaseException as exc:  # Reject, or worse: after the rest have ended
-                handed_back = handed_back or exc
-                continue
-            if isinstance(outcome, dict):
-                count(outcome["status"])
-            else:
-                results.append((payload, outcome))
+    # counted by the pack's thread, once for the jobs that start and once for each group that
+    # ends, not twice in every generation's thread: each update takes the one lock that
+    # prometheus_client's multiprocess mode keeps for all of a process's values
+    metrics.IN_FLIGHT.inc(len(running))
+    try:
+        while True:
+            if results:
+                try:
+                    recorded = while_full_each(
+                        "record", store().record_many, [r for _, r in results]
+                    )
+                except TRANSIENT_REDIS as exc:
+                    handed_back = handed_back or _handed_back(exc)
+                else:
+                    for (payload, result), answer in zip(results, recorded, strict=True):
+                        if isinstance(answer, TRANSIENT_REDIS):
+                            handed_back = handed_back or _handed_back(answer)
+                        else:
+                            count(_summary(who, payload, result, answer)["status"])
+            if not running:
+                break
+            ended, _ = wait(running, return_when=FIRST_COMPLETED)
+            metrics.IN_FLIGHT.dec(len(ended))
+            results = []
+            for future in ended:
+                payload = running.pop(future)
+                try:
+                    outcome = future.result()
+                except BaseException as exc:  # Reject, or worse: after the rest have ended
+                    handed_back = handed_back or exc
+                    continue
+                if isinstance(outcome, dict):
+                    count(outcome["status"])
+                else:
+                    results.append((payload, outcome))
+    finally:  # what is still running if the loop ended early
+        metrics.IN_FLIGHT.dec(len(running))
     if handed_back is not None:
         raise handed_back
     return summary
