@@ -194,9 +194,9 @@ def _received(sender: Any = None, request: Any = None, **_: Any) -> None:
 
 class Delivery(NamedTuple):
     """Who took a message: the worker's name and the message's task id, read once from
-    Celery's request. Celery keeps its request per thread; a pack's generations run in threads
-    of their own and carry this instead, which costs nothing per job, where pushing a request
-    onto each of those threads built a Celery ``Context`` a job."""
+    Celery's request. Celery keeps its request per thread, and setting one up builds a Celery
+    ``Context``; a pack's generations run in threads of their own and carry this instead, at
+    no cost a job."""
 
     worker: str
     task_id: str | None
