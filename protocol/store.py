@@ -600,6 +600,10 @@ class BatchStore:
     def record(self, result: JobResult, pipe: Any = None) -> bool:
         """Store one result; False if this job already had one (duplicate delivery). Given a
         pipeline, the call joins it and its answer comes with the pipeline's."""
+        keys, args = self._record_call(result)
+        return bool(self._record(keys=keys, args=args, client=pipe or self.r))
+
+    def _record_call(self, result: JobResult) -> tuple[list[str], list[Any]]:
         keys = [
             self.key(result.batch),
             self.key(result.batch, "done"),
@@ -610,17 +614,36 @@ class BatchStore:
         args = [result.id, result.model_dump_json(), field, self.ttl_s, time.time()]
         args += [result.usage.prompt_tokens, result.usage.cached_tokens]
         args += [result.usage.completion_tokens, result.model or ""]
-        return bool(self._record(keys=keys, args=args, client=pipe or self.r))
+        return keys, args
 
     def record_many(self, results: list[JobResult]) -> list[bool | redis.RedisError]:
         """``record`` for several results (a pack's) in one round trip, an answer each in
         order. A result Redis refused has the error in its place, the others stand, so a
         retry sends only the refused ones."""
-        pipe = self.r.pipeline(transaction=False)
-        for result in results:
-            self.record(result, pipe)
-        answers = pipe.execute(raise_on_error=False)
+        answers = self._scripts([(self._record, *self._record_call(r)) for r in results])
         return [a if isinstance(a, redis.RedisError) else bool(a) for a in answers]
+
+    def _scripts(self, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
+        """Each (script, keys, args) in one round trip, its answer or its error in order.
+        By ``EVALSHA`` alone: a redis-py pipeline that holds scripts first asks Redis whether
+        it has them (``SCRIPT EXISTS``), a second round trip every time. A script Redis does
+        not have (it restarted) answers NOSCRIPT and ran nothing, so those calls alone go
+        again once it is loaded."""
+        answers: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for _ in range(2):
+            pipe = self.r.pipeline(transaction=False)
+            for i in todo:
+                script, keys, args = calls[i]
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            for i, answer in zip(todo, pipe.execute(raise_on_error=False), strict=True):
+                answers[i] = answer
+            todo = [i for i in todo if isinstance(answers[i], redis.exceptions.NoScriptError)]
+            if not todo:
+                break
+            for script in {id(calls[i][0]): calls[i][0] for i in todo}.values():
+                self.r.script_load(script.script)
+        return answers
 
     # -- reading
     def status(self, batch: str) -> BatchStatus | None:
@@ -709,13 +732,17 @@ class BatchStore:
         """``start`` for several deliveries, (batch, job id) each, in one round trip (a pack's
         jobs), an answer each in order. A start Redis refused has the error in its place and
         counted no delivery, so a retry sends only the refused ones."""
-        pipe = self.r.pipeline(transaction=False)
-        for batch, job_id in jobs:
-            keys = [self.key(batch), self.key(batch, "done"), self.key(batch, "attempts")]
-            self._start(keys=keys, args=[job_id, self.ttl_s], client=pipe)
+        calls = [
+            (
+                self._start,
+                [self.key(b), self.key(b, "done"), self.key(b, "attempts")],
+                [j, self.ttl_s],
+            )
+            for b, j in jobs
+        ]
         return [
             a if isinstance(a, redis.RedisError) else (bool(a[0]), int(a[1]), a[2] or None)
-            for a in pipe.execute(raise_on_error=False)
+            for a in self._scripts(calls)
         ]
 
     def withdraw(self, batch: str, reason: str) -> bool:
