@@ -202,7 +202,7 @@ def task_path(url: str, n: int) -> dict:
     s = settings(url, "bench-task").model_copy(update={"result_cache": False})
     store, engine = BatchStore(r, s.key_prefix), StubEngine(s)
     payloads = [{"job": job(i), "batch": "task-path", "enqueued_at": time.time()} for i in range(n)]
-    store.claim("task-path", [p["job"]["id"] for p in payloads])
+    store.claim("task-path", [(p["job"]["id"], None) for p in payloads])
     parts = dict.fromkeys(("parse", "start", "run_job", "record"), 0.0)
     cpu, t = time.process_time(), time.perf_counter()
     for p in payloads:

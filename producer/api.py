@@ -645,9 +645,10 @@ class Batches:
 
     @staticmethod
     def _envelope(client: Any, b: BatchObject, p: Any) -> Envelope:
+        """The line's envelope, known by its line: the batch's only input is its file."""
         return Envelope(
             job=p.job, batch=b.id, format=p.format, model=p.model, enqueued_at=time.time(),
-            tenant=client.settings.tenant, cache=uses_cache(b),
+            tenant=client.settings.tenant, cache=uses_cache(b), line=p.line,
         )  # fmt: skip
 
     def _send(self, client: Any, b: BatchObject, fh: Any, gone: threading.Event, skip: int) -> None:
@@ -763,9 +764,7 @@ class Batches:
             with self.store.lock(b.id) as mine, open(self.store.path(b.input_file_id), "rb") as fh:
                 if not mine:
                     return
-                jobs = (Envelope(job=p.job, batch=b.id, format=p.format, model=p.model,
-                                 enqueued_at=time.time(), tenant=tenant, cache=uses_cache(b))
-                        for p in self._lines(fh) if p.error is None)  # fmt: skip
+                jobs = (self._envelope(client, b, p) for p in self._lines(fh) if p.error is None)
                 sent = client.resend(jobs, b.id)
         except FileNotFoundError:  # its input deleted: the batch ends at its window's end
             log.error("batch %s has lost jobs and its input file is gone", b.id)

@@ -243,6 +243,9 @@ def submit(
             batch, "vqueue", source=source, queue=client.settings.queue,
             expected=expected_lines(source) if source and os.path.isfile(source) else None,
         )  # fmt: skip
+        # The jobs of the batch's own input are known by their line, one bit each once done
+        # (``protocol.store``); lines added to a batch from another input, by their id.
+        by_line = created or (source is not None and client.store.feed_state(batch)[2] == source)
         good = rejected = 0
 
         def reject(line_no: int, ident: str | None, error: str) -> None:
@@ -252,6 +255,10 @@ def submit(
                 bar.write(f"line {line_no}: {error}", file=sys.stderr)
             if errors_out:
                 errors_out.write(json.dumps(rejected_line(ident, line_no, error)) + "\n")
+
+        def quietly(_line: int, _ident: str | None, _error: str) -> None:
+            """The feed reports bad lines; a second pass over the input (the canary's, a
+            resend's) skips them."""
 
         def lines() -> Iterator[bytes]:
             pending = 0  # bar updates per 64 kB, not per line: they cost more than a parse
@@ -277,6 +284,7 @@ def submit(
                 env = Envelope(
                     job=p.job, batch=batch, format=p.format, model=p.model,
                     enqueued_at=time.time(), tenant=client.settings.tenant, cache=not no_cache,
+                    line=p.line if by_line else None,
                 )  # fmt: skip
                 env.wire()
             except (ValueError, RecursionError) as exc:
@@ -303,10 +311,6 @@ def submit(
 
         ran_canary = 0  # the canary's jobs, sent before the feed (which skips them)
         if share is not None and created:
-
-            def quietly(_line: int, _ident: str | None, _error: str) -> None:
-                """The feed reports bad lines; the canary's pass over the input skips them."""
-
             from .canary import count_lines, first_owners, pick
 
             def parse(n: int, raw: bytes) -> Parsed:
@@ -388,9 +392,9 @@ def submit(
 
         def resend() -> None:  # the input read again from the top
             with open(file, "rb") as again:
-                jobs = (p.job for p in parse_lines(read_lines(again),
-                        default_priority=priority, default_system=system)
-                        if p.error is None)  # fmt: skip
+                parsed = parse_lines(read_lines(again), default_priority=priority,
+                                     default_system=system)  # fmt: skip
+                jobs = (env for p in parsed if (env := envelope(p, quietly)) is not None)
                 sent = client.resend(jobs, batch)
             _say(f"batch {batch}: {sent} job(s) were lost on the way (a worker "
                  "killed as it took them); sent again")  # fmt: skip

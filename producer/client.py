@@ -456,7 +456,7 @@ class Client:
             if item is not None:
                 chunk.append(self._envelope(item, batch_id))
             if len(chunk) >= PUBLISH_CHUNK or (item is None and chunk):
-                done = self.store.marks(batch_id, [e.job.id for e in chunk])
+                done = self.store.marks(batch_id, [(e.job.id, e.line) for e in chunk])
                 todo = [e for e, d in zip(chunk, done, strict=True) if d == ""]
                 if todo:
                     self._publish(todo, batch_id, again=True)
@@ -538,16 +538,15 @@ class Client:
         producer: such an id is sent again, and the worker runs it once.
         """
         self._admit(len(envelopes), batch_id)
-        if force:  # a forced re-run: withdraw the results these ids have
-            for e in envelopes:
-                self.store.forget(batch_id, e.job.id)
+        if force:  # a forced re-run: withdraw the results these jobs have
+            self.store.forget_many(batch_id, [(e.job.id, e.line) for e in envelopes])
         # a prefix group's jobs travel together, so an engine takes them in one stretch
         envelopes = sorted(envelopes, key=lambda e: e.prefix_key or "")
         if self.broker is self.store.r:  # queues and batches in one Redis: one atomic step
             messages = self._frames(envelopes)
             flags = self.store.claim_send(batch_id, messages, fed, again or force)
             return flags.count(-1), 0 if again or force else flags.count(0)
-        flags = self.store.claim(batch_id, [e.job.id for e in envelopes])
+        flags = self.store.claim(batch_id, [(e.job.id, e.line) for e in envelopes])
         todo = [e for e, f in zip(envelopes, flags, strict=True) if f >= 0]
         self._send(todo)
         if fed is not None:  # after the send: a feed that dies between resends, never skips
@@ -661,7 +660,7 @@ class Client:
         if entry is None:
             return False
         env = Envelope.model_validate(entry["envelope"])
-        self.store.forget(env.batch, env.job.id)
+        self.store.forget(env.batch, env.job.id, env.line)
         self._send([env])
         self.store.drop_dead_letter(task_id)
         return True

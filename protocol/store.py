@@ -8,6 +8,10 @@ Per batch ``b`` (keys under the settings' ``key_prefix``):
                              a batch whose size was known when it was made (``shards``) splits it
                              into ``{p}:batch:{b}:done:{k}``, ``k`` from the id's hash
                              (``mark_shard``), each small enough for Redis's compact encoding
+- ``{p}:batch:{b}:done:lines`` bitmap: bit n set once the job of the input's line n is done;
+                             a job that carries its line (``Envelope.line``: a batch fed from a
+                             file) is known by that place instead of by a mark under its id
+- ``{p}:batch:{b}:done:open`` hash: job id -> line, for such jobs enqueued and not done yet
 - ``{p}:batch:{b}:results``  stream: one entry per finished job, ``result`` = JobResult JSON
 - ``{p}:batch:{b}:attempts`` hash: job id -> deliveries started, until its result is recorded
                              (a poison job is dead-lettered)
@@ -22,12 +26,16 @@ A stream lets any number of readers follow a batch as it completes, resume after
 from the last entry id they saw, and read the whole batch again later, without polling.
 The job id is the idempotency key: claiming at submit (``claim``) counts an id once however often
 it is submitted, and recording (``record``) writes a result once however often it is delivered.
-Both are Lua scripts, so no interleaving of producers and workers can count twice.
+Both are Lua scripts, so no interleaving of producers and workers can count twice. A job fed
+from a file is known by its line instead: its line's bit, one bit a job, is all a finished job
+leaves in Redis once its result is taken, so a fed batch's marks grow by an eighth of a byte a
+line, not by its ids (tens of bytes each).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -55,6 +63,8 @@ local function mark(id)
   if shards <= 1 then return KEYS[2] end
   return KEYS[2] .. ':' .. (tonumber(string.sub(redis.sha1hex(id), 1, 8), 16) % shards)
 end
+local lines, open = KEYS[2] .. ':lines', KEYS[2] .. ':open'
+local function line_done(line) return redis.call('GETBIT', lines, line) == 1 end
 """
 
 # KEYS: batch hash. ARGV: parts of its done map. Only a new batch is split: an existing one
@@ -65,19 +75,28 @@ return 1
 """
 
 # KEYS: batch hash, done hash, results stream, attempts hash. ARGV: job id, result json, status
-# field, ttl, now, prompt tokens, prompt tokens served from the prefix cache, completion tokens,
-# the model that answered ("" for none). A recorded job's delivery count goes (the result
-# carries it): the done mark alone stops a redelivery, so a finished job leaves only that mark
-# behind. pcall: a counter that cannot go (a key of the wrong type) must not fail the record
-# after its writes.
+# field, ttl, now, prompt tokens, prompt tokens served from the prefix cache, completion tokens, the
+# model that answered ("" for none), the job's input line ("" for none). A recorded job's delivery
+# count goes (the result carries it): the done mark (or its line's bit) alone stops a redelivery, so
+# a finished job leaves only that behind. pcall: a counter that cannot go (a key of the wrong type)
+# must not fail the record after its writes.
 _RECORD = (
     _MARKS
     + """
-local marks = mark(ARGV[1])
-local done = redis.call('HGET', marks, ARGV[1])
-if done and done ~= '' then return 0 end
-local entry = redis.call('XADD', KEYS[3], '*', 'id', ARGV[1], 'result', ARGV[2])
-redis.call('HSET', marks, ARGV[1], entry)
+local marks
+if ARGV[10] ~= '' then
+  if line_done(ARGV[10]) then return 0 end
+  redis.call('XADD', KEYS[3], '*', 'id', ARGV[1], 'result', ARGV[2])
+  redis.call('SETBIT', lines, ARGV[10], 1)
+  redis.call('HDEL', open, ARGV[1])
+  marks = lines
+else
+  marks = mark(ARGV[1])
+  local done = redis.call('HGET', marks, ARGV[1])
+  if done and done ~= '' then return 0 end
+  local entry = redis.call('XADD', KEYS[3], '*', 'id', ARGV[1], 'result', ARGV[2])
+  redis.call('HSET', marks, ARGV[1], entry)
+end
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
 redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[6])
 redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[7])
@@ -90,15 +109,22 @@ return 1
 """
 )
 
-# KEYS: batch hash, done hash, attempts hash. ARGV: job id, ttl. A delivery starts: {1 if the
+# KEYS: batch hash, done hash, attempts hash. ARGV: job id, ttl, its input line ("" for none).
+# A delivery starts: {1 if the
 # job has a result already (its count goes: it left with that result), deliveries started so
 # far, why the batch was withdrawn or ""}.
 _START = (
     _MARKS
     + """
-local done = redis.call('HGET', mark(ARGV[1]), ARGV[1])
+local done
+if ARGV[3] ~= '' then
+  done = line_done(ARGV[3])
+else
+  done = redis.call('HGET', mark(ARGV[1]), ARGV[1])
+  done = done and done ~= ''
+end
 local withdrawn = redis.call('HGET', KEYS[1], 'withdrawn') or ''
-if done and done ~= '' then
+if done then
   redis.call('HDEL', KEYS[3], ARGV[1])
   return {1, 0, withdrawn}
 end
@@ -109,23 +135,35 @@ return {0, n, withdrawn}
 )
 
 
-# KEYS: batch hash, done hash. ARGV: ttl, job ids. One flag per id: 1 new (counted in total),
-# 0 enqueued before but not done (send again: the earlier send may be lost), -1 done (skip).
+# Claiming a job, by its id or its line (after _MARKS): its flag, 1 new (counted in total), 0
+# enqueued before but not done (send again: the earlier send may be lost), -1 done (skip); the
+# key it touched, whose expiry the script renews.
+_CLAIM_ONE = """
+local function claim(id, line)
+  if line ~= '' then
+    if line_done(line) then return -1, lines end
+    if redis.call('HSETNX', open, id, line) == 1 then return 1, open end
+    return 0, open
+  end
+  local marks = mark(id)
+  if redis.call('HSETNX', marks, id, '') == 1 then return 1, marks end
+  if redis.call('HGET', marks, id) == '' then return 0, marks end
+  return -1, marks
+end
+"""
+
+# KEYS: batch hash, done hash. ARGV: ttl, then per job its id and its input line ("" for none).
+# One flag per job (_CLAIM_ONE).
 _CLAIM = (
     _MARKS
+    + _CLAIM_ONE
     + """
 local flags, new, touched = {}, 0, {}
-for i = 2, #ARGV do
-  local marks = mark(ARGV[i])
-  touched[marks] = true
-  if redis.call('HSETNX', marks, ARGV[i], '') == 1 then
-    new = new + 1
-    flags[i - 1] = 1
-  elseif redis.call('HGET', marks, ARGV[i]) == '' then
-    flags[i - 1] = 0
-  else
-    flags[i - 1] = -1
-  end
+for i = 2, #ARGV, 2 do
+  local flag, key = claim(ARGV[i], ARGV[i + 1])
+  touched[key] = true
+  if flag == 1 then new = new + 1 end
+  flags[#flags + 1] = flag
 end
 if new > 0 then redis.call('HINCRBY', KEYS[1], 'total', new) end
 for key in pairs(touched) do redis.call('EXPIRE', key, ARGV[1]) end
@@ -133,21 +171,21 @@ return flags
 """
 )
 
-# KEYS: batch hash, done hash, then the queue lists. ARGV: ttl, the feed's position after this
-# chunk ("" for none), the time, "1" to push again ids claimed before and not done ("" not to),
-# then per message: the index in KEYS of its list, its job count n, the message's JSON before
-# its envelopes and after them, then per job its id and its envelope's piece
-# (``protocol.wire.frames``). Claims each id as _CLAIM does and pushes one message of the new
-# ones' pieces, in one step. An id claimed before and not done had its envelope pushed by the
-# script that claimed it, so it is in a queue or with a worker already: pushing it again would
-# only run it twice at once. It goes again when the caller knows that message is gone (a forced
-# re-run withdrew its result; a lost job is resent).
-# Redis (6 and 7 alike) refuses a script's write for memory only until its first write has
-# run, and only reads come before the first claim: out of memory, the chunk is refused before
-# anything is written, else it runs whole. So a chunk is never counted without its messages in
-# the queue, nor its position moved.
+# KEYS: batch hash, done hash, then the queue lists. ARGV: ttl, the feed's position after this chunk
+# ("" for none), the time, "1" to push again ids claimed before and not done ("" not to), then per
+# message: the index in KEYS of its list, its job count n, the message's JSON before its envelopes
+# and after them, then per job its id, its input line ("" for none) and its envelope's piece
+# (``protocol.wire.frames``). Claims each job as _CLAIM does and pushes one message of the new ones'
+# pieces, in one step. An id claimed before and not done had its envelope pushed by the script that
+# claimed it, so it is in a queue or with a worker already: pushing it again would only run it twice
+# at once. It goes again when the caller knows that message is gone (a forced re-run withdrew its
+# result; a lost job is resent). Redis (6 and 7 alike) refuses a script's write for memory only
+# until its first write has run, and only reads come before the first claim: out of memory, the
+# chunk is refused before anything is written, else it runs whole. So a chunk is never counted
+# without its messages in the queue, nor its position moved.
 _CLAIM_SEND = (
     _MARKS
+    + _CLAIM_ONE
     + """
 local flags, new, touched = {}, 0, {}
 local again = ARGV[4] ~= ''
@@ -155,22 +193,17 @@ local i = 5
 while i <= #ARGV do
   local list, n = KEYS[tonumber(ARGV[i])], tonumber(ARGV[i + 1])
   local pieces = {}
-  for j = i + 4, i + 2 + 2 * n, 2 do
-    local id, flag = ARGV[j], -1
-    local marks = mark(id)
-    touched[marks] = true
-    if redis.call('HSETNX', marks, id, '') == 1 then
-      new, flag = new + 1, 1
-    elseif redis.call('HGET', marks, id) == '' then
-      flag = 0
-    end
-    if flag == 1 or (flag == 0 and again) then pieces[#pieces + 1] = ARGV[j + 1] end
+  for j = i + 4, i + 1 + 3 * n, 3 do
+    local flag, key = claim(ARGV[j], ARGV[j + 1])
+    touched[key] = true
+    if flag == 1 then new = new + 1 end
+    if flag == 1 or (flag == 0 and again) then pieces[#pieces + 1] = ARGV[j + 2] end
     flags[#flags + 1] = flag
   end
   if #pieces > 0 then
     redis.call('LPUSH', list, ARGV[i + 2] .. table.concat(pieces, ',') .. ARGV[i + 3])
   end
-  i = i + 4 + 2 * n
+  i = i + 4 + 3 * n
 end
 if new > 0 then redis.call('HINCRBY', KEYS[1], 'total', new) end
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'fed', ARGV[2], 'fed_at', ARGV[3]) end
@@ -189,17 +222,30 @@ return 1
 """
 _STOPPED = "#!lua flags=allow-oom" + _STOPPED_BODY
 
-# KEYS: batch hash, done hash, results stream, attempts hash. ARGV: job id.
-# Undo a job's result so it can run again (dead-letter requeue): 1 if there was one.
+# KEYS: batch hash, done hash, results stream, attempts hash. ARGV: job id, its input line ("" for
+# none), and for a job known by its line, its result's stream entry ("" when that has left the
+# stream). Undo a job's result so it can run again (dead-letter requeue, a forced re-run): 1 if
+# there was one.
 _FORGET = (
     _MARKS
     + """
-local marks = mark(ARGV[1])
-local entry = redis.call('HGET', marks, ARGV[1])
+local entry
 redis.call('HDEL', KEYS[4], ARGV[1])
-if not entry or entry == '' then
+if ARGV[2] ~= '' then
+  local was = line_done(ARGV[2])
+  redis.call('SETBIT', lines, ARGV[2], 0)
+  redis.call('HSET', open, ARGV[1], ARGV[2])
+  if not was then return 0 end
+  if ARGV[3] == '' then return 1 end
+  entry = ARGV[3]
+else
+  local marks = mark(ARGV[1])
+  entry = redis.call('HGET', marks, ARGV[1])
+  if not entry or entry == '' then
+    redis.call('HSET', marks, ARGV[1], '')
+    return 0
+  end
   redis.call('HSET', marks, ARGV[1], '')
-  return 0
 end
 local got = redis.call('XRANGE', KEYS[3], entry, entry)
 if #got > 0 then
@@ -211,7 +257,6 @@ if #got > 0 then
   end
 end
 redis.call('XDEL', KEYS[3], entry)
-redis.call('HSET', marks, ARGV[1], '')
 return 1
 """
 )
@@ -263,6 +308,11 @@ POOL_CONNECTIONS = 64  # per process; threads beyond it queue for a connection
 # hash table takes per entry. At 64 on average, the fullest of thousands of parts stays
 # under 128.
 MARKS_PER_SHARD = 64
+
+
+def _place(line: int | None) -> str | int:
+    """A job's input line as the scripts take it: "" for a job known by its id alone."""
+    return "" if line is None else line
 
 
 def mark_shard(job_id: str, shards: int) -> int:
@@ -443,11 +493,15 @@ class BatchStore:
         pipe.expire(key, self.ttl_s)
         return bool(pipe.execute()[1])
 
-    def claim(self, batch: str, job_ids: list[str]) -> list[int]:
-        """Count ``job_ids`` into the batch's total, each id once ever; one flag per id:
-        1 new, 0 enqueued before and not done yet (send again), -1 already done (skip)."""
+    def claim(self, batch: str, jobs: list[tuple[str, int | None]]) -> list[int]:
+        """Count ``jobs`` (id, input line or None) into the batch's total, each id (or line)
+        once ever; one flag per job: 1 new, 0 enqueued before and not done yet (send again),
+        -1 already done (skip)."""
         keys = [self.key(batch), self.key(batch, "done")]
-        return [int(f) for f in self._claim(keys=keys, args=[self.ttl_s, *job_ids])]
+        args: list[Any] = [self.ttl_s]
+        for ident, line in jobs:
+            args += [ident, _place(line)]
+        return [int(f) for f in self._claim(keys=keys, args=args)]
 
     def claim_send(
         self,
@@ -457,9 +511,10 @@ class BatchStore:
         again: bool = False,
     ) -> list[int]:
         """``claim`` and push in one step, where the queues live in this Redis: each of
-        ``messages`` is (queue list, head, tail, [(job id, piece)]) (``protocol.wire.frames``);
-        a job goes in its message if its id is new (flag 1), or claimed before and not done
-        (flag 0) and ``again`` says that earlier message is gone. One flag per job, in order.
+        ``messages`` is (queue list, head, tail, [(job id, input line, piece)])
+        (``protocol.wire.frames``); a job goes in its message if it is new (flag 1), or
+        claimed before and not done (flag 0) and ``again`` says that earlier message is gone.
+        One flag per job, in order.
         ``fed``: how many of the input's jobs are sent once this chunk is, recorded with it
         (``fed_position``). All or nothing: a refusal for memory (``refused_for_memory``)
         means none was claimed or sent, and the position did not move."""
@@ -469,8 +524,8 @@ class BatchStore:
         args: list[Any] = [self.ttl_s, position, time.time(), "1" if again else ""]
         for key, head, tail, pieces in messages:
             args += [at[key], len(pieces), head, tail]
-            for ident, piece in pieces:
-                args += [ident, piece]
+            for ident, line, piece in pieces:
+                args += [ident, _place(line), piece]
         keys = [self.key(batch), self.key(batch, "done"), *lists]
         return [int(f) for f in self._claim_send(keys=keys, args=args)]
 
@@ -558,17 +613,31 @@ class BatchStore:
         base = self.key(batch, "done")
         return base if n <= 1 else f"{base}:{mark_shard(job_id, n)}"
 
-    def marks(self, batch: str, job_ids: list[str]) -> list[str | None]:
-        """Each id's done mark: None never sent, "" sent and not done, else its result's
-        stream entry; one round trip after the batch's split is read."""
+    def marks(self, batch: str, jobs: list[tuple[str, int | None]]) -> list[str | None]:
+        """Each job's (id, input line or None) done mark: None never sent, "" sent and not
+        done, else its result's stream entry (a job known by its line: "done"); one round trip
+        after the batch's split is read."""
         n = self.shards(batch)
         pipe = self.r.pipeline(transaction=False)
-        for ident in job_ids:
-            pipe.hget(self.mark_key(batch, ident, n), ident)
-        return list(pipe.execute())
+        for ident, line in jobs:
+            if line is None:
+                pipe.hget(self.mark_key(batch, ident, n), ident)
+            else:
+                pipe.getbit(self.key(batch, "done:lines"), line)
+                pipe.hexists(self.key(batch, "done:open"), ident)
+        answers = iter(pipe.execute())
+        out: list[str | None] = []
+        for _, line in jobs:
+            if line is None:
+                out.append(next(answers))
+            else:
+                done, sent = next(answers), next(answers)
+                out.append("done" if done else "" if sent else None)
+        return out
 
     def delete(self, batch: str) -> None:
-        keys = [self.key(batch, p) for p in ("results", "attempts")] + self.mark_keys(batch)
+        keys = [self.key(batch, p) for p in ("results", "attempts", "done:lines", "done:open")]
+        keys += self.mark_keys(batch)
         keys.append(self.key(batch))  # last: the split is read from it
         for i in range(0, len(keys), 1000):
             self.r.delete(*keys[i : i + 1000])
@@ -613,7 +682,7 @@ class BatchStore:
         field = "completed" if result.status == "completed" else "failed"
         args = [result.id, result.model_dump_json(), field, self.ttl_s, time.time()]
         args += [result.usage.prompt_tokens, result.usage.cached_tokens]
-        args += [result.usage.completion_tokens, result.model or ""]
+        args += [result.usage.completion_tokens, result.model or "", _place(result.line)]
         return keys, args
 
     def record_many(self, results: list[JobResult]) -> list[bool | redis.RedisError]:
@@ -718,27 +787,30 @@ class BatchStore:
             for _, res in page:
                 yield res
 
-    def start(self, batch: str, job_id: str) -> tuple[bool, int, str | None]:
+    def start(
+        self, batch: str, job_id: str, line: int | None = None
+    ) -> tuple[bool, int, str | None]:
         """At each delivery, one round trip: (already has a result, deliveries started so far,
         why the batch's unstarted jobs were withdrawn, if they were: ``withdraw``). A copy of
-        a finished job is not counted: its count left with its result."""
+        a finished job is not counted: its count left with its result. ``line``: the job's
+        input line, for a job known by it (``Envelope.line``)."""
         keys = [self.key(batch), self.key(batch, "done"), self.key(batch, "attempts")]
-        done, n, withdrawn = self._start(keys=keys, args=[job_id, self.ttl_s])
+        done, n, withdrawn = self._start(keys=keys, args=[job_id, self.ttl_s, _place(line)])
         return bool(done), int(n), withdrawn or None
 
     def start_many(
-        self, jobs: list[tuple[str, str]]
+        self, jobs: list[tuple[str, str, int | None]]
     ) -> list[tuple[bool, int, str | None] | redis.RedisError]:
-        """``start`` for several deliveries, (batch, job id) each, in one round trip (a pack's
-        jobs), an answer each in order. A start Redis refused has the error in its place and
-        counted no delivery, so a retry sends only the refused ones."""
+        """``start`` for several deliveries, (batch, job id, input line) each, in one round trip
+        (a pack's jobs), an answer each in order. A start Redis refused has the error in its
+        place and counted no delivery, so a retry sends only the refused ones."""
         calls = [
             (
                 self._start,
                 [self.key(b), self.key(b, "done"), self.key(b, "attempts")],
-                [j, self.ttl_s],
+                [j, self.ttl_s, _place(line)],
             )
-            for b, j in jobs
+            for b, j, line in jobs
         ]
         return [
             a if isinstance(a, redis.RedisError) else (bool(a[0]), int(a[1]), a[2] or None)
@@ -774,17 +846,33 @@ class BatchStore:
         fmt = "openai" if self.r.hget(self.key(batch), "format") == "openai" else "vqueue"
         error = JobError(type=reason, message=WITHDRAWN[reason])  # type: ignore[arg-type]
         closed = 0
-        for page in self._mark_pages(batch):  # their results in one round trip a page
+        # their results in one round trip a page: those known by their id, unmarked; then
+        # those known by their line, still open
+        unmarked: Iterator[dict[str, int | None]] = (
+            {i: None for i, e in p.items() if not e} for p in self._mark_pages(batch)
+        )
+        pages = itertools.chain(unmarked, self._open_pages(batch))
+        for page in pages:
             pipe = self.r.pipeline(transaction=False)
-            for ident in (i for i, entry in page.items() if not entry):
+            for ident, line in page.items():
                 timings = Timings(enqueued_at=0.0, finished_at=time.time())
                 self.record(
                     JobResult(id=ident, batch=batch, type="unknown", status="failed",
-                              timings=timings, error=error, format=fmt),
+                              line=line, timings=timings, error=error, format=fmt),
                     pipe,
                 )  # fmt: skip
             closed += sum(map(int, pipe.execute()))
         return closed
+
+    def _open_pages(self, batch: str, size: int = 1000) -> Iterator[dict[str, int | None]]:
+        """The batch's jobs known by their line, sent and not done, as id -> line, a page a
+        round trip (``HSCAN``: a page may repeat an id, which ``record`` counts once)."""
+        cursor = 0
+        while True:
+            cursor, scanned = self.r.hscan(self.key(batch, "done:open"), cursor, count=size)
+            yield {ident: int(line) for ident, line in scanned.items()}
+            if not cursor:
+                return
 
     def _mark_pages(self, batch: str, size: int = 1000) -> Iterator[dict[str, str]]:
         """The batch's done map, about ``size`` ids a page: the one hash by ``HSCAN``; parts of
@@ -814,11 +902,31 @@ class BatchStore:
         return [x or None for x in pipe.execute()]
 
     def result(self, batch: str, job_id: str) -> JobResult | None:
-        entry = self.marks(batch, [job_id])[0]
+        """The job's result while it is in Redis: by its mark, or for a job known by its input
+        line, by reading the batch's results (a fed batch keeps no index of them by id)."""
+        entry = self.marks(batch, [(job_id, None)])[0]
         if not entry:
-            return None
+            if not self.r.exists(self.key(batch, "done:lines")):
+                return None
+            entry = self._entries(batch, {job_id}).get(job_id)
+            if entry is None:
+                return None
         got = self.r.xrange(self.key(batch, "results"), min=entry, max=entry)
         return JobResult.model_validate_json(got[0][1]["result"]) if got else None
+
+    def _entries(self, batch: str, job_ids: set[str], page: int = 1000) -> dict[str, str]:
+        """The stream entries of ``job_ids``' results, read through the whole stream once."""
+        found: dict[str, str] = {}
+        after = "-"
+        while len(found) < len(job_ids):
+            got = self.r.xrange(self.key(batch, "results"), min=after, count=page)
+            for eid, fields in got:
+                if fields.get("id") in job_ids:
+                    found[fields["id"]] = eid
+            if len(got) < page:
+                break
+            after = f"({got[-1][0]}"
+        return found
 
     # -- workers' liveness: a registry (rq's, dramatiq's), not a scan of the keyspace
     def worker_key(self, name: str) -> str:
@@ -902,11 +1010,31 @@ class BatchStore:
         raw = self.r.get(self.dlq_key(f"entry:{task_id}"))
         return json.loads(raw) if raw else None
 
-    def forget(self, batch: str, job_id: str) -> bool:
-        """Remove a job's result and delivery count so it can run again (a forced re-run)."""
+    def forget(self, batch: str, job_id: str, line: int | None = None) -> bool:
+        """Remove a job's result and delivery count so it can run again (a dead letter sent
+        again); ``line``: its input line, for a job known by it."""
+        return self.forget_many(batch, [(job_id, line)])[0]
+
+    def forget_many(self, batch: str, jobs: list[tuple[str, int | None]]) -> list[bool]:
+        """``forget`` for each (id, input line or None) of ``jobs`` (a forced re-run's chunk):
+        whether each had a result. The results of jobs known by their line are found by
+        reading the batch's results once for them all."""
         keys = [self.key(batch), self.key(batch, "done"), self.key(batch, "results")]
         keys.append(self.key(batch, "attempts"))
-        return bool(self._forget(keys=keys, args=[job_id]))
+        placed = [(i, line) for i, line in jobs if line is not None]
+        entries: dict[str, str] = {}
+        if placed:
+            pipe = self.r.pipeline(transaction=False)
+            for _, line in placed:
+                pipe.getbit(self.key(batch, "done:lines"), line)
+            done = {i for (i, _), bit in zip(placed, pipe.execute(), strict=True) if bit}
+            entries = self._entries(batch, done) if done else {}
+        calls = [(self._forget, keys, [i, _place(line), entries.get(i, "")]) for i, line in jobs]
+        answers = self._scripts(calls)
+        for a in answers:
+            if isinstance(a, redis.RedisError):
+                raise a
+        return [bool(a) for a in answers]
 
     def drop_dead_letter(self, task_id: str) -> None:
         pipe = self.r.pipeline()

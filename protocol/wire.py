@@ -51,8 +51,9 @@ def queue_keys(queue: str) -> list[str]:
 # stands where a message's envelopes go while its frame is written; JSON escapes it unchanged
 _SLOT = "@vqueue-envelopes@"
 
-# a message as (Redis list, its JSON before its envelopes, after them, [(job id, piece)])
-Frame = tuple[str, str, str, list[tuple[str, str]]]
+# a message as (Redis list, its JSON before its envelopes, after them,
+# [(job id, its input line or None, piece)])
+Frame = tuple[str, str, str, list[tuple[str, int | None, str]]]
 
 
 def envelope_piece(env: Envelope) -> str:
@@ -120,16 +121,16 @@ def message_frame(envelopes: list[Envelope], queue: str) -> tuple[str, str, str]
 
 def frames(envelopes: list[Envelope], queue: str, per_message: int = 1) -> list[Frame]:
     """``envelopes`` as messages of at most ``per_message`` each, in their order: (Redis list,
-    head, tail, [(job id, piece)]); a message's JSON is head + ",".join(pieces) + tail. Only
-    neighbours of one type and priority share a message, so a prefix group sorted together
-    travels together."""
+    head, tail, [(job id, input line, piece)]); a message's JSON is head + ",".join(pieces) +
+    tail. Only neighbours of one type and priority share a message, so a prefix group sorted
+    together travels together."""
     out: list[Frame] = []
     run: list[Envelope] = []
 
     def close() -> None:
         if run:
             key, head, tail = message_frame(run, queue)
-            out.append((key, head, tail, [(e.job.id, envelope_piece(e)) for e in run]))
+            out.append((key, head, tail, [(e.job.id, e.line, envelope_piece(e)) for e in run]))
             run.clear()
 
     for env in envelopes:
@@ -154,7 +155,7 @@ def push(broker: redis.Redis, messages: list[Frame]) -> None:
     """Push ``messages`` whole, in one pipelined round trip."""
     pipe = broker.pipeline(transaction=False)
     for key, head, tail, pieces in messages:
-        pipe.lpush(key, head + ",".join(p for _, p in pieces) + tail)
+        pipe.lpush(key, head + ",".join(p for _, _, p in pieces) + tail)
     pipe.execute()
 
 

@@ -516,6 +516,9 @@ class Envelope(BaseModel):
     tenant: str | None = Field(default=None, max_length=128)
     # false: the whole batch bypasses the result cache (``vqueue submit --no-cache``)
     cache: bool = True
+    # the job's line in the input file its batch is fed from: such a job is known by its place
+    # (a bit once done, ``protocol.store``), so Redis keeps no per-job mark of a fed batch
+    line: int | None = Field(default=None, ge=1)
     _wire: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")

@@ -198,6 +198,7 @@ class JobResult(BaseModel):
     batch: str
     type: str
     status: Literal["completed", "failed"]
+    line: int | None = None  # the job's line in the input its batch was fed from
     text: str | None = None  # the model's whole output
     data: Any = None  # extract (and chat with a schema): the parsed JSON
     code: str | None = None  # codegen: the code block pulled out of text

@@ -80,7 +80,7 @@ def test_a_pack_message_decodes_to_its_envelopes_whole_or_in_part(
     # When they are framed four to a message
     messages = frames(envs, queue, per_message=4)
     # Then the three share a message and the other type has its own
-    assert [[i for i, _ in m[3]] for m in messages] == [["p0", "p1", "p2"], ["x"]]
+    assert [[i for i, _, _ in m[3]] for m in messages] == [["p0", "p1", "p2"], ["x"]]
     key, head, tail, pieces = messages[0]
     with app.connection_for_write() as conn:
         channel = conn.default_channel
@@ -91,12 +91,12 @@ def test_a_pack_message_decodes_to_its_envelopes_whole_or_in_part(
 
         # and kombu decodes the pack to one argument, the list of its envelopes, under the
         # first job's task id, marked as a pack's
-        raw, (args, kwargs, _) = decode([p for _, p in pieces])
+        raw, (args, kwargs, _) = decode([p for _, _, p in pieces])
         assert [e["job"]["id"] for e in args[0]] == ["p0", "p1", "p2"] and kwargs == {}
         assert raw["headers"]["task"] == "vqueue.summarize"
         assert raw["headers"]["id"] == "b1:p0+2"
         # and any part of it (what the claim script pushes when some ids are done) decodes too
-        _, (args, _, _) = decode([pieces[2][1]])
+        _, (args, _, _) = decode([pieces[2][2]])
         assert [e["job"]["id"] for e in args[0]] == ["p2"]
         # while a lone envelope is the task's argument itself, as Celery would send it
         lone = json.loads(task_message(envs[3], queue)[1])
@@ -116,7 +116,7 @@ def test_a_result_stored_while_the_reader_waits_is_never_skipped(redis_client: r
     client = Client(make_settings(f"vqtest-{RUN}-race"))
     store, batch = client.store, f"race-{uuid.uuid4().hex[:8]}"
     store.create(batch, "vqueue")
-    store.claim(batch, ["j1"])
+    store.claim(batch, [("j1", None)])
     store.seal(batch)
     result = JobResult(id="j1", batch=batch, type="summarize", status="completed", text="ok",
                        timings=Timings(enqueued_at=1.0))  # fmt: skip
@@ -148,7 +148,7 @@ def _sealed_batch(name: str, jobs: list[str]) -> tuple[Any, str, Callable[[str],
     client = Client(make_settings(f"vqtest-{RUN}-{name}"))
     batch = f"{name}-{uuid.uuid4().hex[:8]}"
     client.store.create(batch, "vqueue")
-    client.store.claim(batch, jobs)
+    client.store.claim(batch, [(j, None) for j in jobs])
     client.store.seal(batch)
 
     def result(job: str) -> JobResult:
@@ -329,10 +329,12 @@ def test_a_batch_of_known_size_keeps_its_done_marks_compact_and_each_path_reads_
             assert store.start(batch, "job-000001")[:2] == (False, 1)
             assert not done(batch, "job-000000")  # one result per job
             assert store.result(batch, "job-000000") is not None
-            assert store.marks(batch, ["job-000002", "job-000003", "nope"])[1:] == ["", None]
+            by_id = [(i, None) for i in ("job-000002", "job-000003", "nope")]
+            assert store.marks(batch, by_id)[1:] == ["", None]
             # a forced re-run withdraws a result, and the id counts once however often sent
             assert store.forget(batch, "job-000000") and store.result(batch, "job-000000") is None
-            assert store.claim(batch, ["job-000000", "job-000002", "job-999999"]) == [0, -1, 1]
+            by_id = [(i, None) for i in ("job-000000", "job-000002", "job-999999")]
+            assert store.claim(batch, by_id) == [0, -1, 1]
             assert store.status(batch).total == 2001  # type: ignore[union-attr]
             # and a withdrawn batch closes each of its jobs that has no result, once
             store.withdraw(batch, "cancelled")
@@ -344,6 +346,75 @@ def test_a_batch_of_known_size_keeps_its_done_marks_compact_and_each_path_reads_
         redis_client.delete(*lists)
         store.delete(sized)
         store.delete(plain)
+
+
+def test_jobs_known_by_their_input_line_leave_one_bit_each_once_done_and_each_path_reads_them(
+    redis_client: redis.Redis,
+) -> None:
+    # Given 2,000 jobs fed with their input lines, as `vqueue submit FILE` and `vqueue serve`
+    # feed a batch's own file, half of them done
+    from producer import Client
+    from producer.client import _job_adapter
+    from protocol.wire import queue_keys
+    from schemas import Envelope, JobResult, Timings
+
+    queue = f"vqtest-{RUN}-lines"
+    client = Client(make_settings(queue))
+    store, lists = client.store, queue_keys(queue)
+    batch = f"lines-{RUN}"
+
+    def env(i: int) -> Envelope:
+        job = _job_adapter.validate_python(
+            {"id": f"job-{i:06d}", "type": "summarize", "text": f"Text {i}."}
+        )
+        return Envelope(job=job, batch=batch, enqueued_at=1.0, line=i + 1)
+
+    def done(i: int) -> bool:
+        res = JobResult(id=f"job-{i:06d}", batch=batch, type="summarize", status="completed",
+                        text="ok", line=i + 1, timings=Timings(enqueued_at=1.0))  # fmt: skip
+        return store.record(res)
+
+    try:
+        client.submit_many([env(i) for i in range(2000)], batch=batch)
+        assert all(done(i) for i in range(0, 2000, 2))
+        # Then no mark is kept under any id: a bit per line, and the ids still open
+        assert not any(redis_client.exists(k) for k in store.mark_keys(batch))
+        assert redis_client.hlen(store.key(batch, "done:open")) == 1000
+        assert redis_client.strlen(store.key(batch, "done:lines")) == 2000 // 8  # bits 0-1999
+        assert redis_client.ttl(store.key(batch, "done:lines")) > 0
+        # a finished job's copy is a lookup, an unfinished one's delivery is counted
+        assert store.start(batch, "job-000000", 1)[:2] == (True, 0)
+        assert store.start(batch, "job-000001", 2)[:2] == (False, 1)
+        assert not done(0)  # one result per job
+        got = store.result(batch, "job-000000")  # found by reading the batch's results
+        assert got is not None and got.line == 1
+        assert store.marks(batch, [("job-000000", 1), ("job-000001", 2), ("nope", 9999)]) == [
+            "done", "", None
+        ]  # fmt: skip
+        # a forced re-run withdraws a result, and a line counts once however often sent
+        assert store.forget_many(batch, [("job-000000", 1), ("job-000001", 2)]) == [True, False]
+        assert store.result(batch, "job-000000") is None
+        assert store.status(batch).completed == 999  # type: ignore[union-attr]
+        jobs = [("job-000000", 1), ("job-000002", 3), ("job-999999", 10**6)]
+        assert store.claim(batch, jobs) == [0, -1, 1]
+        assert store.status(batch).total == 2001  # type: ignore[union-attr]
+        # once its results are taken, a finished job leaves only its bit behind
+        last = store.read(batch)[-1][0]
+        store.take(batch, last)
+        assert redis_client.xlen(store.key(batch, "results")) == 0
+        # and a withdrawn batch closes each of its jobs that has no result, once, by line
+        store.withdraw(batch, "cancelled")
+        assert store.close_unstarted(batch) == 1002
+        assert store.close_unstarted(batch) == 0
+        assert store.status(batch).done == 2001  # type: ignore[union-attr]
+        closed = {r.id: r.line for _, r in store.read(batch)}
+        assert closed["job-000001"] == 2 and closed["job-999999"] == 10**6
+        assert not redis_client.exists(store.key(batch, "done:open"))
+        store.delete(batch)
+        assert not redis_client.exists(store.key(batch, "done:lines"))
+    finally:
+        redis_client.delete(*lists)
+        store.delete(batch)
 
 
 @pytest.mark.unit

@@ -97,6 +97,7 @@ def run_job(
         batch=env.batch,
         type=job.type,
         status="completed",
+        line=env.line,
         timings=Timings(enqueued_at=env.enqueued_at, started_at=started),
         worker=worker,
         metadata=job.metadata,

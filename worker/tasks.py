@@ -240,7 +240,9 @@ def _pack(who: Delivery, payloads: list[Any]) -> dict[str, Any]:
     results = [(p, e) for p, e in envs if isinstance(e, JobResult)]
     if ready and state.dying:
         _hand_back_dying()
-    started = while_full_each("start", store().start_many, [(e.batch, e.job.id) for _, e in ready])
+    started = while_full_each(
+        "start", store().start_many, [(e.batch, e.job.id, e.line) for _, e in ready]
+    )
 
     def generate(payload: dict[str, Any], env: Envelope, attempts: int) -> JobResult | dict:
         try:
@@ -328,7 +330,7 @@ def _run(who: Delivery, payload: dict[str, Any]) -> dict[str, Any]:
     else:
         if state.dying:
             _hand_back_dying()
-        started = while_full("start", lambda: store().start(env.batch, env.job.id))
+        started = while_full("start", lambda: store().start(env.batch, env.job.id, env.line))
         step = _admitted(who, payload, env, started)
         if step is None:
             step = _generated(who, payload, env, started[1])
@@ -461,6 +463,7 @@ def _failed(
         worker=who.worker,
         metadata=env.job.metadata if env else {},
         format=env.format if env else "vqueue",
+        line=env.line if env else None,
         prefix_key=env.prefix_key if env else None,
         error=JobError(type=error, message=message[:2000]),
     )
@@ -507,6 +510,7 @@ def _dead_letter(
         timings=Timings(enqueued_at=env.enqueued_at),
         worker=worker,
         deliveries=attempts,
+        line=env.line,
         metadata=env.job.metadata,
         format=env.format,
         prefix_key=env.prefix_key,
@@ -520,6 +524,12 @@ def _dead_letter(
     while_full("record", lambda: store().dead_letter(payload, result, delivered))
     metrics.observe(result)
     return {"id": result.id, "status": "failed", "error": "dead_letter"}
+
+
+def _line(payload: Any) -> int | None:
+    """The input line a raw message's job came from (``Envelope.line``), when it says one."""
+    line = payload.get("line") if isinstance(payload, dict) else None
+    return line if isinstance(line, int) and not isinstance(line, bool) and line >= 1 else None
 
 
 @signals.task_revoked.connect
@@ -536,13 +546,13 @@ def _revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     if not sep or not re.fullmatch(BATCH_PATTERN, batch):
         return
     args = getattr(request, "args", None) or [None]
-    jobs = [(batch, job_id)]
+    jobs = [(batch, job_id, _line(args[0]))]
     if isinstance(args[0], list):
         if len(args[0]) > 1:  # it never runs: what its arrival took of the prefetch comes back
             _prefetch.give_back(len(args[0]))
         packed = [p for p in args[0] if isinstance(p, dict) and isinstance(p.get("job"), dict)]
-        jobs = [(str(p.get("batch", "")), str(p["job"].get("id", ""))) for p in packed]
-    for batch, job_id in jobs:
+        jobs = [(str(p.get("batch", "")), str(p["job"].get("id", "")), _line(p)) for p in packed]
+    for batch, job_id, line in jobs:
         if not job_id or not re.fullmatch(BATCH_PATTERN, batch):
             continue
         result = JobResult(
@@ -552,6 +562,7 @@ def _revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
             status="failed",
             timings=Timings(enqueued_at=0.0, finished_at=time.time()),
             worker=state.name,
+            line=line,
             error=JobError(type="cancelled", message="revoked before it ran"),
         )
         try:
