@@ -74,107 +74,63 @@ if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('HSET', KEYS[1], 'shards',
 return 1
 """
 
-# Recording one result (after _MARKS; KEYS: batch hash, done hash, results stream, attempts
-# hash): 1 and the key holding its done mark (or its line's bit), or 0 when the job has a result
-# already. The result's delivery count goes (the result carries it): the mark alone stops a
-# redelivery, so a finished job leaves only that behind. pcall: a count that cannot go (a key of
-# the wrong type) must not fail the record after its writes.
-_RECORD_ONE = """
-local function record_one(id, result, line)
-  local marks
-  if line ~= '' then
-    if line_done(line) then return 0 end
-    redis.call('XADD', KEYS[3], '*', 'id', id, 'result', result)
-    redis.call('SETBIT', lines, line, 1)
-    redis.call('HDEL', open, id)
-    marks = lines
-  else
-    marks = mark(id)
-    local done = redis.call('HGET', marks, id)
-    if done and done ~= '' then return 0 end
-    redis.call('HSET', marks, id, redis.call('XADD', KEYS[3], '*', 'id', id, 'result', result))
-  end
-  redis.pcall('HDEL', KEYS[4], id)
-  return 1, marks
-end
-"""
-
-# KEYS: batch hash, done hash, results stream, attempts hash. ARGV: ttl, now, then per result
-# its job id, result json, status field, prompt tokens, prompt tokens served from the prefix
-# cache, completion tokens, the model that answered ("" for none) and input line ("" for none).
-# One answer per result: 1 recorded, 0 it had one already, or the error Redis gave it. Out of
-# memory, Redis refuses a script's writes until one has run: a result refused answers its
-# error, having written nothing, and the others stand. The batch's counts move once for all
-# that were recorded.
+# KEYS: batch hash, done hash, results stream, attempts hash. ARGV: job id, result json, status
+# field, ttl, now, prompt tokens, prompt tokens served from the prefix cache, completion tokens, the
+# model that answered ("" for none), the job's input line ("" for none). A recorded job's delivery
+# count goes (the result carries it): the done mark (or its line's bit) alone stops a redelivery, so
+# a finished job leaves only that behind. pcall: a counter that cannot go (a key of the wrong type)
+# must not fail the record after its writes.
 _RECORD = (
     _MARKS
-    + _RECORD_ONE
     + """
-local out, sums, touched, model = {}, {}, {[KEYS[1]] = true, [KEYS[3]] = true}, ''
-for _, name in ipairs({'completed', 'failed', 'prompt_tokens', 'cached_tokens',
-                       'completion_tokens'}) do sums[name] = 0 end
-for i = 3, #ARGV, 8 do
-  local ok, done, marks = pcall(record_one, ARGV[i], ARGV[i + 1], ARGV[i + 7])
-  if not ok then
-    out[#out + 1] = type(done) == 'table' and done or {err = tostring(done)}
-  else
-    out[#out + 1] = done
-    if done == 1 then
-      touched[marks] = true
-      sums[ARGV[i + 2]] = sums[ARGV[i + 2]] + 1
-      sums.prompt_tokens = sums.prompt_tokens + tonumber(ARGV[i + 3])
-      sums.cached_tokens = sums.cached_tokens + tonumber(ARGV[i + 4])
-      sums.completion_tokens = sums.completion_tokens + tonumber(ARGV[i + 5])
-      if ARGV[i + 6] ~= '' then model = ARGV[i + 6] end
-    end
-  end
+local marks
+if ARGV[10] ~= '' then
+  if line_done(ARGV[10]) then return 0 end
+  redis.call('XADD', KEYS[3], '*', 'id', ARGV[1], 'result', ARGV[2])
+  redis.call('SETBIT', lines, ARGV[10], 1)
+  redis.call('HDEL', open, ARGV[1])
+  marks = lines
+else
+  marks = mark(ARGV[1])
+  local done = redis.call('HGET', marks, ARGV[1])
+  if done and done ~= '' then return 0 end
+  local entry = redis.call('XADD', KEYS[3], '*', 'id', ARGV[1], 'result', ARGV[2])
+  redis.call('HSET', marks, ARGV[1], entry)
 end
-if sums.completed + sums.failed > 0 then
-  for name, n in pairs(sums) do
-    if n > 0 then redis.call('HINCRBY', KEYS[1], name, n) end
-  end
-  if model ~= '' then redis.call('HSET', KEYS[1], 'model', model) end
-  redis.call('HSET', KEYS[1], 'updated_at', ARGV[2])
-  for key in pairs(touched) do redis.call('EXPIRE', key, ARGV[1]) end
-end
-return out
+redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
+redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[6])
+redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[7])
+redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[8])
+if ARGV[9] ~= '' then redis.call('HSET', KEYS[1], 'model', ARGV[9]) end
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[5])
+redis.pcall('HDEL', KEYS[4], ARGV[1])
+for _, key in ipairs({KEYS[1], marks, KEYS[3]}) do redis.call('EXPIRE', key, ARGV[4]) end
+return 1
 """
 )
 
-# KEYS: batch hash, done hash, attempts hash. ARGV: ttl, then per delivery its job id and input
-# line ("" for none). Deliveries start: for each, {1 if the job has a result already (its count
-# goes: it left with that result), deliveries started so far, why the batch was withdrawn or
-# ""}, or the error Redis gave it (out of memory, refused alone, having counted nothing).
+# KEYS: batch hash, done hash, attempts hash. ARGV: job id, ttl, its input line ("" for none).
+# A delivery starts: {1 if the
+# job has a result already (its count goes: it left with that result), deliveries started so
+# far, why the batch was withdrawn or ""}.
 _START = (
     _MARKS
     + """
+local done
+if ARGV[3] ~= '' then
+  done = line_done(ARGV[3])
+else
+  done = redis.call('HGET', mark(ARGV[1]), ARGV[1])
+  done = done and done ~= ''
+end
 local withdrawn = redis.call('HGET', KEYS[1], 'withdrawn') or ''
-local function start_one(id, line)
-  local done
-  if line ~= '' then
-    done = line_done(line)
-  else
-    done = redis.call('HGET', mark(id), id)
-    done = done and done ~= ''
-  end
-  if done then
-    redis.call('HDEL', KEYS[3], id)
-    return {1, 0, withdrawn}
-  end
-  return {0, redis.call('HINCRBY', KEYS[3], id, 1), withdrawn}
+if done then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  return {1, 0, withdrawn}
 end
-local out, counted = {}, false
-for i = 2, #ARGV, 2 do
-  local ok, answer = pcall(start_one, ARGV[i], ARGV[i + 1])
-  if ok then
-    counted = counted or answer[1] == 0
-    out[#out + 1] = answer
-  else
-    out[#out + 1] = type(answer) == 'table' and answer or {err = tostring(answer)}
-  end
-end
-if counted then redis.call('EXPIRE', KEYS[3], ARGV[1]) end
-return out
+local n = redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
+redis.call('EXPIRE', KEYS[3], ARGV[2])
+return {0, n, withdrawn}
 """
 )
 
@@ -352,12 +308,6 @@ POOL_CONNECTIONS = 64  # per process; threads beyond it queue for a connection
 # hash table takes per entry. At 64 on average, the fullest of thousands of parts stays
 # under 128.
 MARKS_PER_SHARD = 64
-
-
-def _each(answer: Any, n: int) -> list[Any]:
-    """A script call's answers for its ``n`` items: its list, or its one error for each (the
-    call itself was refused)."""
-    return [answer] * n if isinstance(answer, redis.RedisError) else list(answer)
 
 
 def _place(line: int | None) -> str | int:
@@ -716,41 +666,31 @@ class BatchStore:
         return int(self._take(keys=[key], args=args)) / 1000
 
     # -- worker side
-    def record(self, result: JobResult) -> bool:
-        """Store one result; False if this job already had one (duplicate delivery)."""
-        keys, args = self._record_call(result.batch, [result])
-        answer = self._record(keys=keys, args=args)[0]
-        if isinstance(answer, redis.RedisError):
-            raise answer
-        return bool(answer)
+    def record(self, result: JobResult, pipe: Any = None) -> bool:
+        """Store one result; False if this job already had one (duplicate delivery). Given a
+        pipeline, the call joins it and its answer comes with the pipeline's."""
+        keys, args = self._record_call(result)
+        return bool(self._record(keys=keys, args=args, client=pipe or self.r))
 
-    def _record_call(self, batch: str, results: list[JobResult]) -> tuple[list[str], list[Any]]:
-        keys = [self.key(batch, p) for p in ("", "done", "results", "attempts")]
-        keys[0] = self.key(batch)
-        args: list[Any] = [self.ttl_s, time.time()]
-        for r in results:
-            field = "completed" if r.status == "completed" else "failed"
-            args += [r.id, r.model_dump_json(), field, r.usage.prompt_tokens]
-            args += [r.usage.cached_tokens, r.usage.completion_tokens, r.model or ""]
-            args.append(_place(r.line))
+    def _record_call(self, result: JobResult) -> tuple[list[str], list[Any]]:
+        keys = [
+            self.key(result.batch),
+            self.key(result.batch, "done"),
+            self.key(result.batch, "results"),
+            self.key(result.batch, "attempts"),
+        ]
+        field = "completed" if result.status == "completed" else "failed"
+        args = [result.id, result.model_dump_json(), field, self.ttl_s, time.time()]
+        args += [result.usage.prompt_tokens, result.usage.cached_tokens]
+        args += [result.usage.completion_tokens, result.model or "", _place(result.line)]
         return keys, args
 
     def record_many(self, results: list[JobResult]) -> list[bool | redis.RedisError]:
-        """``record`` for several results (a pack's) in one round trip, one script call a
-        batch, an answer each in order. A result Redis refused has the error in its place, the
-        others stand, so a retry sends only the refused ones."""
-        by_batch: dict[str, list[int]] = {}
-        for i, r in enumerate(results):
-            by_batch.setdefault(r.batch, []).append(i)
-        calls = [
-            (self._record, *self._record_call(b, [results[i] for i in at]))
-            for b, at in by_batch.items()
-        ]
-        answers: list[bool | redis.RedisError] = [False] * len(results)
-        for at, answer in zip(by_batch.values(), self._scripts(calls), strict=True):
-            for i, a in zip(at, _each(answer, len(at)), strict=True):
-                answers[i] = a if isinstance(a, redis.RedisError) else bool(a)
-        return answers
+        """``record`` for several results (a pack's) in one round trip, an answer each in
+        order. A result Redis refused has the error in its place, the others stand, so a
+        retry sends only the refused ones."""
+        answers = self._scripts([(self._record, *self._record_call(r)) for r in results])
+        return [a if isinstance(a, redis.RedisError) else bool(a) for a in answers]
 
     def _scripts(self, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
         """Each (script, keys, args) in one round trip, its answer or its error in order.
@@ -854,10 +794,9 @@ class BatchStore:
         why the batch's unstarted jobs were withdrawn, if they were: ``withdraw``). A copy of
         a finished job is not counted: its count left with its result. ``line``: the job's
         input line, for a job known by it (``Envelope.line``)."""
-        answer = self.start_many([(batch, job_id, line)])[0]
-        if isinstance(answer, redis.RedisError):
-            raise answer
-        return answer
+        keys = [self.key(batch), self.key(batch, "done"), self.key(batch, "attempts")]
+        done, n, withdrawn = self._start(keys=keys, args=[job_id, self.ttl_s, _place(line)])
+        return bool(done), int(n), withdrawn or None
 
     def start_many(
         self, jobs: list[tuple[str, str, int | None]]
@@ -865,25 +804,18 @@ class BatchStore:
         """``start`` for several deliveries, (batch, job id, input line) each, in one round trip
         (a pack's jobs), an answer each in order. A start Redis refused has the error in its
         place and counted no delivery, so a retry sends only the refused ones."""
-        by_batch: dict[str, list[int]] = {}
-        for i, (b, _, _) in enumerate(jobs):
-            by_batch.setdefault(b, []).append(i)
-        calls = []
-        for b, at in by_batch.items():
-            args: list[Any] = [self.ttl_s]
-            for i in at:
-                args += [jobs[i][1], _place(jobs[i][2])]
-            keys = [self.key(b), self.key(b, "done"), self.key(b, "attempts")]
-            calls.append((self._start, keys, args))
-        out: list[tuple[bool, int, str | None] | redis.RedisError] = [
-            redis.RedisError("not started")
-        ] * len(jobs)
-        for at, answer in zip(by_batch.values(), self._scripts(calls), strict=True):
-            for i, a in zip(at, _each(answer, len(at)), strict=True):
-                out[i] = (
-                    a if isinstance(a, redis.RedisError) else (bool(a[0]), int(a[1]), a[2] or None)
-                )
-        return out
+        calls = [
+            (
+                self._start,
+                [self.key(b), self.key(b, "done"), self.key(b, "attempts")],
+                [j, self.ttl_s, _place(line)],
+            )
+            for b, j, line in jobs
+        ]
+        return [
+            a if isinstance(a, redis.RedisError) else (bool(a[0]), int(a[1]), a[2] or None)
+            for a in self._scripts(calls)
+        ]
 
     def withdraw(self, batch: str, reason: str) -> bool:
         """Withdraw the batch's jobs that have not started: a worker that takes one records it
@@ -921,16 +853,15 @@ class BatchStore:
         )
         pages = itertools.chain(unmarked, self._open_pages(batch))
         for page in pages:
-            timings = Timings(enqueued_at=0.0, finished_at=time.time())
-            results = [
-                JobResult(id=ident, batch=batch, type="unknown", status="failed", line=line,
-                          timings=timings, error=error, format=fmt)
-                for ident, line in page.items()
-            ]  # fmt: skip
-            for answer in self.record_many(results) if results else []:
-                if isinstance(answer, redis.RedisError):
-                    raise answer
-                closed += answer
+            pipe = self.r.pipeline(transaction=False)
+            for ident, line in page.items():
+                timings = Timings(enqueued_at=0.0, finished_at=time.time())
+                self.record(
+                    JobResult(id=ident, batch=batch, type="unknown", status="failed",
+                              line=line, timings=timings, error=error, format=fmt),
+                    pipe,
+                )  # fmt: skip
+            closed += sum(map(int, pipe.execute()))
         return closed
 
     def _open_pages(self, batch: str, size: int = 1000) -> Iterator[dict[str, int | None]]:
