@@ -243,9 +243,10 @@ def submit(
             batch, "vqueue", source=source, queue=client.settings.queue,
             expected=expected_lines(source) if source and os.path.isfile(source) else None,
         )  # fmt: skip
-        # The jobs of the batch's own input are known by their line, one bit each once done
-        # (``protocol.store``); lines added to a batch from another input, by their id.
-        by_line = created or (source is not None and client.store.feed_state(batch)[2] == source)
+        # The jobs of the batch's own input file are known by their line, one bit each once
+        # done (``protocol.store``); those of another input, or of stdin (which cannot be read
+        # again to say which line was which), by their id.
+        by_line = source is not None and (created or client.store.feed_state(batch)[2] == source)
         good = rejected = 0
 
         def reject(line_no: int, ident: str | None, error: str) -> None:

@@ -261,6 +261,13 @@ def test_a_feed_killed_mid_input_resumes_where_it_stopped_each_job_once(
     assert r.xlen(f"{prefix}:batch:{batch}:results") == 0
     final = status()
     assert (final["total"], final["completed"], final["fed"]) == (150, 150, None)
+    # each result names its input line, and what the batch's jobs leave in Redis is a bit a
+    # line: no mark under any id, none open
+    assert all(x["line"] == int(x["id"][1:]) + 1 for x in lines)
+    assert set(r.scan_iter(f"{prefix}:batch:{batch}:done*")) == {
+        f"{prefix}:batch:{batch}:done:lines"
+    }
+    assert r.bitcount(f"{prefix}:batch:{batch}:done:lines") == 150
 
 
 def test_a_taking_reader_killed_and_started_again_writes_each_result_once(
