@@ -308,12 +308,13 @@ class Batch:
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Wait for one job's result."""
         follow = _Follow(self, timeout)
+        after = "-"  # how far the results were read for it (a job known by its line)
         while True:
-            res = self.client.store.result(self.id, job_id)
+            res, after = self.client.store.find(self.id, job_id, after)
             if res is not None:
                 return res
             if follow.check():  # complete: its result is stored by now, or it is not in the batch
-                res = self.client.store.result(self.id, job_id)
+                res, _ = self.client.store.find(self.id, job_id, after)
                 if res is None:
                     raise BatchNotFound(f"batch {self.id} is complete and has no job {job_id!r}")
                 return res

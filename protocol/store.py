@@ -902,17 +902,33 @@ class BatchStore:
         return [x or None for x in pipe.execute()]
 
     def result(self, batch: str, job_id: str) -> JobResult | None:
-        """The job's result while it is in Redis: by its mark, or for a job known by its input
-        line, by reading the batch's results (a fed batch keeps no index of them by id)."""
+        """The job's result while it is in Redis (``find``)."""
+        return self.find(batch, job_id)[0]
+
+    def find(
+        self, batch: str, job_id: str, after: str = "-", page: int = 1000
+    ) -> tuple[JobResult | None, str]:
+        """The job's result while it is in Redis, and how far the batch's results were read
+        for it: by its mark; a job known by its input line has none naming its result (a fed
+        batch keeps no index by id), so the results after stream entry ``after`` are read for
+        it, and a caller that asks again passes the second value to read only what came since
+        (``Batch.result``)."""
         entry = self.marks(batch, [(job_id, None)])[0]
-        if not entry:
-            if not self.r.exists(self.key(batch, "done:lines")):
-                return None
-            entry = self._entries(batch, {job_id}).get(job_id)
-            if entry is None:
-                return None
-        got = self.r.xrange(self.key(batch, "results"), min=entry, max=entry)
-        return JobResult.model_validate_json(got[0][1]["result"]) if got else None
+        stream = self.key(batch, "results")
+        if entry:
+            got = self.r.xrange(stream, min=entry, max=entry)
+            return (JobResult.model_validate_json(got[0][1]["result"]) if got else None), after
+        if not self.r.exists(self.key(batch, "done:lines")):
+            return None, after
+        while True:
+            got = self.r.xrange(stream, min=after if after == "-" else f"({after}", count=page)
+            for _, fields in got:
+                if fields.get("id") == job_id:
+                    return JobResult.model_validate_json(fields["result"]), after
+            if got:
+                after = got[-1][0]
+            if len(got) < page:
+                return None, after
 
     def _entries(self, batch: str, job_ids: set[str], page: int = 1000) -> dict[str, str]:
         """The stream entries of ``job_ids``' results, read through the whole stream once."""
