@@ -109,10 +109,9 @@ return 1
 """
 )
 
-# KEYS: batch hash, done hash, attempts hash. ARGV: job id, ttl, its input line ("" for none).
-# A delivery starts: {1 if the
-# job has a result already (its count goes: it left with that result), deliveries started so
-# far, why the batch was withdrawn or ""}.
+# KEYS: batch hash, done hash, attempts hash. ARGV: job id, ttl, its input line ("" for none). A
+# delivery starts: {1 if the job has a result already (its count goes: it left with that result),
+# deliveries started so far, why the batch was withdrawn or ""}.
 _START = (
     _MARKS
     + """
@@ -920,29 +919,33 @@ class BatchStore:
             return (JobResult.model_validate_json(got[0][1]["result"]) if got else None), after
         if not self.r.exists(self.key(batch, "done:lines")):
             return None, after
+        for eid, fields in self._results_after(batch, after, page):
+            if fields.get("id") == job_id:
+                return JobResult.model_validate_json(fields["result"]), after
+            after = eid
+        return None, after
+
+    def _entries(self, batch: str, job_ids: set[str]) -> dict[str, str]:
+        """The stream entries of ``job_ids``' results, the stream read once, up to the last."""
+        found: dict[str, str] = {}
+        for eid, fields in self._results_after(batch):
+            if fields.get("id") in job_ids:
+                found[fields["id"]] = eid
+                if len(found) == len(job_ids):
+                    break
+        return found
+
+    def _results_after(
+        self, batch: str, after: str = "-", page: int = 1000
+    ) -> Iterator[tuple[str, dict[str, str]]]:
+        """The batch's stream entries after entry ``after`` ("-": all), a page a round trip."""
+        stream = self.key(batch, "results")
         while True:
             got = self.r.xrange(stream, min=after if after == "-" else f"({after}", count=page)
-            for _, fields in got:
-                if fields.get("id") == job_id:
-                    return JobResult.model_validate_json(fields["result"]), after
-            if got:
-                after = got[-1][0]
+            yield from got
             if len(got) < page:
-                return None, after
-
-    def _entries(self, batch: str, job_ids: set[str], page: int = 1000) -> dict[str, str]:
-        """The stream entries of ``job_ids``' results, read through the whole stream once."""
-        found: dict[str, str] = {}
-        after = "-"
-        while len(found) < len(job_ids):
-            got = self.r.xrange(self.key(batch, "results"), min=after, count=page)
-            for eid, fields in got:
-                if fields.get("id") in job_ids:
-                    found[fields["id"]] = eid
-            if len(got) < page:
-                break
-            after = f"({got[-1][0]}"
-        return found
+                return
+            after = got[-1][0]
 
     # -- workers' liveness: a registry (rq's, dramatiq's), not a scan of the keyspace
     def worker_key(self, name: str) -> str:
