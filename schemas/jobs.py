@@ -531,7 +531,10 @@ class Envelope(BaseModel):
 
     def wire(self) -> str:
         """The envelope as it travels (JSON), serialized once: the producer both counts its
-        size and sends it."""
+        size and sends it. Fields at their default stay out: validation on the worker's side
+        puts them back, and a job's message is decoded three times on the way (kombu's read,
+        Celery's protocol check, the task) and copied whole into the unacknowledged hash, so
+        it costs what it sets, not every field the job types have."""
         if self._wire is None:
-            self._wire = self.model_dump_json()
+            self._wire = self.model_dump_json(exclude_defaults=True)
         return self._wire
