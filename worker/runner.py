@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -538,19 +539,26 @@ def loop_detection(job: Any, settings: Settings, plan: Plan | None = None) -> An
     mode = settings.loop_detection
     if mode == "off" or job.ignore_eos or (mode == "json" and not _wants_json(job)):
         return None
-    try:
-        from vllm.sampling_params import RepetitionDetectionParams
-    except ImportError:  # vLLM before 0.26: jobs run as they did, loops and all
-        _warn_once("this vLLM has no repetition detection: loops are not caught")
-        return None
     longest = settings.loop_max_cycle_tokens
     own = plan is not None and plan.loop_check
     if not own and "loop_max_cycle_tokens" not in settings.model_fields_set:
         longest = min(longest, LOOP_FALLBACK_TOKENS)
+    try:
+        shortest = min(longest // 2 + 1, SHORTEST_PATTERN)
+        return _repetition_params(longest, shortest, settings.loop_min_repeats)
+    except ImportError:  # vLLM before 0.26: jobs run as they did, loops and all
+        _warn_once("this vLLM has no repetition detection: loops are not caught")
+        return None
+
+
+@functools.cache
+def _repetition_params(longest: int, shortest: int, repeats: int) -> Any:
+    """One ``RepetitionDetectionParams`` for every job that watches the same loops: vLLM
+    reads it and never changes it, and building one runs pydantic's checks."""
+    from vllm.sampling_params import RepetitionDetectionParams
+
     return RepetitionDetectionParams(
-        max_pattern_size=longest,
-        min_pattern_size=min(longest // 2 + 1, SHORTEST_PATTERN),
-        min_count=settings.loop_min_repeats,
+        max_pattern_size=longest, min_pattern_size=shortest, min_count=repeats
     )
 
 
