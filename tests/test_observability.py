@@ -1,6 +1,7 @@
 """What operators see: Flower's API and pages, the worker's Prometheus metrics, `vqueue status`.
 
-All against the real worker (real engine), a real Flower process and Debian's Chromium.
+All against the real worker (real engine), a real Flower process and Debian's Chromium; and
+the worker's own histogram arithmetic against prometheus_client's.
 """
 
 from __future__ import annotations
@@ -249,6 +250,30 @@ def test_metrics_count_a_batch(worker: WorkerProc, client: Client) -> None:
         assert (gauge, ()) in after
     # vLLM's own metrics are served on the same port
     assert any(name.startswith("vllm:") for name, _ in after)
+
+
+@pytest.mark.unit
+def test_a_packs_observations_land_where_prometheus_own_observe_puts_them() -> None:
+    # Given two histograms with the worker's run buckets in registries of their own
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from worker.metrics import _RUN_BUCKETS, _observe_all
+
+    one, packed = CollectorRegistry(), CollectorRegistry()
+    h1 = Histogram("h", "h", buckets=_RUN_BUCKETS, registry=one)
+    h2 = Histogram("h", "h", buckets=_RUN_BUCKETS, registry=packed)
+    values = [0.0, 0.05, 0.0500001, 0.3, 7, 7, 320, 321, 1e9, 2.5]
+    # When one observes each value through prometheus_client and the other takes them at once
+    for v in values:
+        h1.observe(v)
+    _observe_all(h2, values)
+    # Then every bucket, the count and the sum read the same
+    samples = [
+        {(s.name, tuple(s.labels.items())): s.value for f in r.collect() for s in f.samples}
+        for r in (one, packed)
+    ]
+    assert samples[0] == samples[1]
+    assert samples[1][("h_bucket", (("le", "0.05"),))] == 2
 
 
 def test_status_shows_workers_queues_and_batches(worker: WorkerProc, client: Client) -> None:

@@ -14,11 +14,13 @@ counters, ratios in 0..1; rates (tokens/s, prefix-cache hit rate) are left to Pr
 
 from __future__ import annotations
 
+import bisect
+import collections
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -238,45 +240,94 @@ def process_gone(pid: int) -> None:
 
 
 def observe(result: JobResult) -> None:
+    observe_many([result])
+
+
+def observe_many(results: Iterable[JobResult]) -> None:
+    """The job metrics of results just recorded (a pack's, together): each series moves once
+    for all of them. A move takes the one lock of its process's values and, under multiprocess
+    mode (which an urgent lane or a second intake process turns on), writes to a mapped file;
+    about nine moves a job otherwise."""
+    tally = _Tally()
+    for result in results:
+        _observe(result, tally)
+    tally.flush()
+
+
+class _Tally:
+    """Counter increments summed, and histogram observations gathered, by series."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[Any, tuple[str, ...]], float] = collections.defaultdict(float)
+        self.seen: dict[tuple[Any, tuple[str, ...]], list[float]] = collections.defaultdict(list)
+
+    def inc(self, counter: Any, *labels: str, by: float = 1) -> None:
+        self.counts[counter, labels] += by
+
+    def observe(self, histogram: Any, value: float, *labels: str) -> None:
+        self.seen[histogram, labels].append(value)
+
+    def flush(self) -> None:
+        for (counter, labels), by in self.counts.items():
+            counter.labels(*labels).inc(by)
+        for (histogram, labels), values in self.seen.items():
+            _observe_all(histogram.labels(*labels), values)
+
+
+def _observe_all(child: Any, values: list[float]) -> None:
+    """``Histogram.observe`` of each value, as one move of the sum and one of each bucket hit.
+    prometheus_client has no call that observes several values; this reads the child's bucket
+    bounds and values (``_upper_bounds``, ``_buckets``, ``_sum``, as in its releases 0.17
+    through 0.26) and observes one value at a time where a release names them otherwise."""
+    names = ("_upper_bounds", "_buckets", "_sum")
+    bounds, buckets, total = (getattr(child, name, None) for name in names)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for value in values:
+            child.observe(value)
+        return
+    total.inc(sum(values))
+    # a value goes in the first bucket whose bound it does not pass, as ``observe`` puts it
+    for i, hits in collections.Counter(bisect.bisect_left(bounds, v) for v in values).items():
+        buckets[i].inc(hits)
+
+
+def _observe(result: JobResult, tally: _Tally) -> None:
     t, timings = result.type, result.timings
     if result.status == "completed":
-        JOBS_COMPLETED.labels(t).inc()
+        tally.inc(JOBS_COMPLETED, t)
     else:
-        JOBS_FAILED.labels(t, result.error.type if result.error else "unknown").inc()
+        tally.inc(JOBS_FAILED, t, result.error.type if result.error else "unknown")
     if timings.started_at:
         if timings.enqueued_at:
-            QUEUE_WAIT.labels(t).observe(max(timings.started_at - timings.enqueued_at, 0.0))
+            tally.observe(QUEUE_WAIT, max(timings.started_at - timings.enqueued_at, 0.0), t)
         if timings.first_token_at:
-            TIME_TO_FIRST_TOKEN.labels(t).observe(
-                max(timings.first_token_at - timings.started_at, 0.0)
-            )
+            wait = max(timings.first_token_at - timings.started_at, 0.0)
+            tally.observe(TIME_TO_FIRST_TOKEN, wait, t)
         if timings.finished_at:
-            JOB_DURATION.labels(t).observe(max(timings.finished_at - timings.started_at, 0.0))
+            tally.observe(JOB_DURATION, max(timings.finished_at - timings.started_at, 0.0), t)
     if result.cached:  # its tokens were counted when they were generated
         return
-    PROMPT_TOKENS.labels(t).inc(result.usage.prompt_tokens)
-    GENERATION_TOKENS.labels(t).inc(result.usage.completion_tokens)
+    tally.inc(PROMPT_TOKENS, t, by=result.usage.prompt_tokens)
+    tally.inc(GENERATION_TOKENS, t, by=result.usage.completion_tokens)
     aborted = [a.tokens for a in result.attempts if a.reason == "low_confidence"]
     if aborted:
-        EARLY_STOP_ABORTS.labels(t).inc(len(aborted))
-        EARLY_STOP_RETRIES.labels(t).inc(len(aborted))  # an aborted attempt is always retried
-        EARLY_STOP_WASTED_TOKENS.labels(t).inc(sum(aborted))
+        tally.inc(EARLY_STOP_ABORTS, t, by=len(aborted))
+        tally.inc(EARLY_STOP_RETRIES, t, by=len(aborted))  # an aborted attempt is always retried
+        tally.inc(EARLY_STOP_WASTED_TOKENS, t, by=sum(aborted))
     looped = [a.tokens for a in result.attempts if a.reason == "loop"]
     if looped:
-        LOOPS.labels(t).inc(len(looped))
+        tally.inc(LOOPS, t, by=len(looped))
         # where every run looped, the last is the answer (usage.completion_tokens), not waste
         last = looped[-1] if result.attempts[-1].reason == "loop" else 0
-        LOOP_WASTED_TOKENS.labels(t).inc(sum(looped) - last)
+        tally.inc(LOOP_WASTED_TOKENS, t, by=sum(looped) - last)
     if result.low_confidence:
-        LOW_CONFIDENCE.labels(t).inc()
+        tally.inc(LOW_CONFIDENCE, t)
     if result.tests is not None and result.tests.attempts:
         runs = result.tests.attempts
         first = runs[0].outcome == "passed"
-        CODE_TESTED.labels(
-            "first" if first else "retried" if result.tests.passed else "failed"
-        ).inc()
+        tally.inc(CODE_TESTED, "first" if first else "retried" if result.tests.passed else "failed")
         for run in runs:
-            CODE_TEST_RUNS.labels(run.outcome).inc()
+            tally.inc(CODE_TEST_RUNS, run.outcome)
 
 
 def report_plan(plan: Any) -> None:

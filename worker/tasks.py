@@ -17,10 +17,11 @@ job instead of looping.
 from __future__ import annotations
 
 import logging
+import queue
 import re
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, TypeVar
 
 from celery import Task, signals
@@ -244,13 +245,21 @@ def _pack(who: Delivery, payloads: list[Any]) -> dict[str, Any]:
         "start", store().start_many, [(e.batch, e.job.id, e.line) for _, e in ready]
     )
 
-    def generate(payload: dict[str, Any], env: Envelope, attempts: int) -> JobResult | dict:
+    # (payload, its result, its summary, or what it raised): each generation's thread puts
+    # its own as it ends, and the pack's thread takes what has ended, whatever the order
+    ended: queue.SimpleQueue[tuple[dict[str, Any], Any]] = queue.SimpleQueue()
+
+    def generate(payload: dict[str, Any], env: Envelope, attempts: int) -> None:
+        outcome: Any
         try:
-            return _generated(who, payload, env, attempts)
+            outcome = _generated(who, payload, env, attempts)
+        except BaseException as exc:  # Reject, or worse: raised once the rest have ended
+            outcome = exc
         finally:
             permits().release()
+        ended.put((payload, outcome))
 
-    running: dict[Future[JobResult | dict[str, Any]], dict[str, Any]] = {}
+    running = 0
     handed_back: BaseException | None = None  # raised once every job that runs has ended
     for (payload, env), start in zip(ready, started, strict=True):
         try:
@@ -269,14 +278,16 @@ def _pack(who: Delivery, payloads: list[Any]) -> dict[str, Any]:
             results.append((payload, step))
         else:
             permits().acquire()
-            running[_pack_pool.submit(generate, payload, env, start[1])] = payload
+            _pack_pool.submit(generate, payload, env, start[1])
+            running += 1
     # counted by the pack's thread, once for the jobs that start and once for each group that
-    # ends, not twice in every generation's thread: each update takes the one lock that
-    # prometheus_client's multiprocess mode keeps for all of a process's values
-    metrics.IN_FLIGHT.inc(len(running))
+    # ends, not in every generation's thread: each update takes the one lock that
+    # prometheus_client keeps for all of a process's values (``metrics.observe_many``)
+    metrics.IN_FLIGHT.inc(running)
     try:
         while True:
             if results:
+                observed: list[JobResult] = []
                 try:
                     recorded = while_full_each(
                         "record", store().record_many, [r for _, r in results]
@@ -288,25 +299,25 @@ def _pack(who: Delivery, payloads: list[Any]) -> dict[str, Any]:
                         if isinstance(answer, TRANSIENT_REDIS):
                             handed_back = handed_back or _handed_back(answer)
                         else:
-                            count(_summary(who, payload, result, answer)["status"])
+                            count(_summary(who, payload, result, answer, observed)["status"])
+                metrics.observe_many(observed)
             if not running:
                 break
-            ended, _ = wait(running, return_when=FIRST_COMPLETED)
-            metrics.IN_FLIGHT.dec(len(ended))
+            done = [ended.get()]  # at least one, then whatever else has ended meanwhile
+            while not ended.empty():
+                done.append(ended.get())
+            running -= len(done)
+            metrics.IN_FLIGHT.dec(len(done))
             results = []
-            for future in ended:
-                payload = running.pop(future)
-                try:
-                    outcome = future.result()
-                except BaseException as exc:  # Reject, or worse: after the rest have ended
-                    handed_back = handed_back or exc
-                    continue
-                if isinstance(outcome, dict):
+            for payload, outcome in done:
+                if isinstance(outcome, BaseException):
+                    handed_back = handed_back or outcome
+                elif isinstance(outcome, dict):
                     count(outcome["status"])
                 else:
                     results.append((payload, outcome))
     finally:  # what is still running if the loop ended early
-        metrics.IN_FLIGHT.dec(len(running))
+        metrics.IN_FLIGHT.dec(running)
     if handed_back is not None:
         raise handed_back
     return summary
@@ -395,13 +406,21 @@ def _admitted(
 
 
 def _summary(
-    who: Delivery, payload: Any, result: JobResult, recorded: bool | RedisError
+    who: Delivery,
+    payload: Any,
+    result: JobResult,
+    recorded: bool | RedisError,
+    observed: list[JobResult] | None = None,
 ) -> dict[str, Any]:
     """What Flower shows of a job whose result went to Redis: ``recorded`` False means an
-    earlier delivery's result was there first; an error, that Redis refused it for good."""
+    earlier delivery's result was there first; an error, that Redis refused it for good. A
+    recorded result goes to its metrics, or to ``observed`` for a pack's thread to count
+    together (``metrics.observe_many``)."""
     if isinstance(recorded, RedisError):
         return _unrecordable(who, payload, recorded)
-    if recorded:
+    if recorded and observed is not None:
+        observed.append(result)
+    elif recorded:
         metrics.observe(result)
     else:
         metrics.duplicate(result.type)
