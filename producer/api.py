@@ -33,7 +33,15 @@ import redis
 from pydantic import ValidationError
 
 from protocol.store import BatchStore, refused_for_memory
-from schemas import BatchStatus, Envelope, JobResult, Settings, get_settings, output_line
+from schemas import (
+    BatchStatus,
+    Envelope,
+    ExtractJob,
+    JobResult,
+    Settings,
+    get_settings,
+    output_line,
+)
 from schemas.api import (
     ENDPOINT_FORMAT,
     FINAL_STATES,
@@ -574,7 +582,7 @@ class Batches:
             if message is None and p.format != want:
                 message = (f"a {LINE_KIND[p.format]} line in a batch for {b.endpoint}: its "
                            f"lines are {LINE_KIND[want]} lines")  # fmt: skip
-            name = getattr(p.job, "template", None)
+            name = p.job.template if isinstance(p.job, ExtractJob) else None
             if message is None and name is not None and not client.template_known(name):
                 message = f"unknown template {name!r}"
             if message is not None:

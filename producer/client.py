@@ -28,7 +28,7 @@ from pydantic import TypeAdapter
 from protocol.routing import Router
 from protocol.store import BatchStore, refused_for_memory
 from protocol.wire import Frame
-from schemas import BatchStatus, Envelope, Job, JobResult, Settings, get_settings
+from schemas import BatchStatus, Envelope, ExtractJob, Job, JobResult, Settings, get_settings
 
 log = logging.getLogger("vqueue")
 _job_adapter: TypeAdapter[Any] = TypeAdapter(Job)
@@ -503,7 +503,7 @@ class Client:
                 return item
             return Envelope(**{**dict(item), "batch": batch_id, "tenant": tenant})
         job = item if not isinstance(item, dict) else _job_adapter.validate_python(item)
-        name = getattr(job, "template", None)
+        name = job.template if isinstance(job, ExtractJob) else None
         if name is not None and not self.template_known(name):
             raise ValueError(f"job {job.id}: unknown template {name!r} (`vqueue templates list`)")
         return Envelope(job=job, batch=batch_id, enqueued_at=time.time(), tenant=tenant)
