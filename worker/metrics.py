@@ -240,7 +240,8 @@ def process_gone(pid: int) -> None:
 
 
 def observe(result: JobResult) -> None:
-    observe_many([result])
+    """The job metrics of a result just recorded, each moved at once."""
+    _observe(result, _NOW)
 
 
 def observe_many(results: Iterable[JobResult]) -> None:
@@ -252,6 +253,19 @@ def observe_many(results: Iterable[JobResult]) -> None:
     for result in results:
         _observe(result, tally)
     tally.flush()
+
+
+class _Now:
+    """Each counter increment and histogram observation applied as it comes."""
+
+    def inc(self, counter: Any, *labels: str, by: float = 1) -> None:
+        counter.labels(*labels).inc(by)
+
+    def observe(self, histogram: Any, value: float, *labels: str) -> None:
+        histogram.labels(*labels).observe(value)
+
+
+_NOW = _Now()
 
 
 class _Tally:
@@ -291,7 +305,7 @@ def _observe_all(child: Any, values: list[float]) -> None:
         buckets[i].inc(hits)
 
 
-def _observe(result: JobResult, tally: _Tally) -> None:
+def _observe(result: JobResult, tally: _Now | _Tally) -> None:
     t, timings = result.type, result.timings
     if result.status == "completed":
         tally.inc(JOBS_COMPLETED, t)

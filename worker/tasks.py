@@ -282,7 +282,7 @@ def _pack(who: Delivery, payloads: list[Any]) -> dict[str, Any]:
             running += 1
     # counted by the pack's thread, once for the jobs that start and once for each group that
     # ends, not in every generation's thread: each update takes the one lock that
-    # prometheus_client keeps for all of a process's values (``metrics.observe_many``)
+    # prometheus_client's multiprocess mode keeps for all of a process's values
     metrics.IN_FLIGHT.inc(running)
     try:
         while True:
