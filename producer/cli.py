@@ -546,7 +546,7 @@ def _write_result(res: JobResult, out: IO[str] | None, errors: IO[str] | None) -
     target = errors if (failed and errors) else out
     if target is None:
         return
-    if res.format == "vqueue":  # pydantic's own serializer: a quarter of dumping its dict
+    if res.format == "vqueue":  # pydantic's serializer in one pass, not its dict through json
         target.write(res.model_dump_json() + "\n")
     else:
         target.write(json.dumps(output_line(res), ensure_ascii=False) + "\n")

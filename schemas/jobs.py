@@ -535,8 +535,8 @@ class Envelope(BaseModel):
         puts them back, and a job's message is decoded three times on the way (kombu's read,
         Celery's protocol check, the task) and copied whole into the unacknowledged hash, so
         it costs what it sets, not every field the job types have. Its cache is read from the
-        private values' own dict: ``self._wire`` goes through pydantic's ``__getattr__``, a
-        hundred times slower, and a producer asks a few times a job."""
+        private values' own dict: ``self._wire`` goes through pydantic's ``__getattr__``, far
+        slower, and a producer asks a few times a job."""
         private = self.__pydantic_private__
         assert private is not None  # the model has a private attribute: pydantic sets the dict
         wire: str | None = private["_wire"]
