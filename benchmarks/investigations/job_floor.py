@@ -1,5 +1,5 @@
 """What one job costs in CPU at least, step by step, on the steps no queue design of vqueue's can
-skip: the floor under issue 39's 10,000 jobs/s on 2 cores, where the producer, Redis and the
+skip: the floor under a target of 10,000 jobs/s on 2 cores, where the producer, Redis and the
 worker share 0.2 ms of CPU a job.
 
 Each step runs N times in this one thread, on the jobs ``benchmarks/queue_cpu.py`` sends, and
@@ -13,7 +13,7 @@ the best of three repeats counts:
   and, for scale, all of ``run_job`` on the STUB engine.
 
 Celery's own share at K jobs a message is not measured here: see
-``benchmarks/investigations/celery_ceiling.py`` (24 µs a job at 64 a message on this host).
+``benchmarks/investigations/celery_ceiling.py`` (docs/benchmarks.md has its figures).
 Redis's own CPU for the scripts is in ``benchmarks/queue_cpu.py``'s rows.
 
     .venv/bin/python -m benchmarks.investigations.job_floor [--jobs 20000] [--out FILE]
