@@ -50,7 +50,7 @@ PREFIX = "bulk"
 
 
 def _rss(proc: subprocess.Popen[Any] | None) -> int:
-    """Resident bytes of a process and its children (a worker's intake and engine processes)."""
+    """Resident bytes of a process and its children (a worker's urgent and engine processes)."""
     if proc is None or proc.poll() is not None:
         return 0
     try:

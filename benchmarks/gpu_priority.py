@@ -3,7 +3,7 @@
     python -m benchmarks.gpu_priority --model /tmp/models/qwen05 --out $OUT/priority
 
 Per policy one worker: ``priority`` (the defaults: urgent jobs through the urgent queue and
-intake process, vLLM's priority scheduling, an urgent request preempting a running bulk one when
+urgent process, vLLM's priority scheduling, an urgent request preempting a running bulk one when
 no slot is free), ``priority-wait`` (the same without preemption: an urgent request waits for a
 slot) or ``fcfs`` (no job urgent, vLLM first come first served: a job's priority orders the
 Redis lists alone). On it, the bulk batch
@@ -30,7 +30,7 @@ from .gpu_suite import own_worker, pct, stop
 def slowest(us: list[Any], t0_perf: float, n: int = 5) -> list[dict[str, Any]]:
     """The ``n`` interactive jobs with the longest TTFT, stage by stage (seconds): when each came
     (from the bulk batch's start), in Redis, building its prompt until vLLM's frontend took it,
-    in the engine's waiting line, prefill; and which intake process took it. The p99 is one or
+    in the engine's waiting line, prefill; and which process took it. The p99 is one or
     two jobs: these say where they waited."""
     start = time.time() - (time.perf_counter() - t0_perf)  # the batch's start, wall clock
 
@@ -76,7 +76,7 @@ def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, A
 
     rows = []
     try:
-        deadline = time.monotonic() + 180  # the urgent intake process starts after the engine
+        deadline = time.monotonic() + 180  # the urgent process joins once the engine is up
         while policy != "fcfs" and time.monotonic() < deadline:
             if any(w.get("urgent") for w in client.store.workers()):
                 break
@@ -150,7 +150,7 @@ def run(a: argparse.Namespace, policy: str, t: wl.TextMaker) -> list[dict[str, A
                 "in_redis_p99_s": pct(fetched, 99),
                 "taken_to_first_token_p50_s": pct(inside, 50),
                 "taken_to_first_token_p99_s": pct(inside, 99),
-                "taken_by_urgent_intake": sum("-urgent@" in (u.worker or "") for u in us),
+                "taken_by_urgent_process": sum("-urgent@" in (u.worker or "") for u in us),
                 "slowest": slowest(us, t0),
                 "worker_start_s": start_s,
                 "urgent_order": plan.get("urgent_order"),

@@ -24,13 +24,13 @@ rounds; the order of the systems rotates from round to round):
                 arrive. Not a baseline: it gets a ratio to raw as vqueue's rows do. It runs
                 raw's prompts on raw's engine, and its salt keeps it from finding them in that
                 engine's prefix cache, as vLLM keys every cached block by its request's salt.
-  vqueue engine alone  (only when named) the worker's ``EngineHost`` (its frontend process and
+  vqueue engine alone  (only when named) the worker's ``EngineHost`` (its engine client and
                 engine, the monitor, what it adds to each request) built in the raw process
                 and given raw's token ids at once, one thread a job: beside the as-sent row,
-                whether a gap lies in the worker's engine process or in the queue before it.
+                whether a gap lies in the worker's engine host or in the queue before it.
   vqueue@NAME=VALUE[;NAME=VALUE]  (only when named) one more worker with an engine of its
                 own, started with ``VQUEUE_NAME=VALUE``: a worker setting against raw vLLM and
-                the default worker in the same rounds (``vqueue@INTAKE_PROCESSES=2``).
+                the default worker in the same rounds (``vqueue@JOBS_PER_MESSAGE=1``).
 
 Equal work: the same prompts and sampling; output lengths fixed with ``ignore_eos``/``min_tokens``
 (a random-weights model rarely stops). Guided JSON cannot be forced past its end, and vqueue runs
@@ -84,10 +84,10 @@ from . import workloads as wl
 ROOT = Path(__file__).resolve().parent.parent
 _jobs: TypeAdapter[Any] = TypeAdapter(Job)
 AS_SENT = "raw AsyncLLM as sent"
-# the worker's own engine (``EngineHost``: its frontend process, the monitor, what it adds to a
-# request) driven from the raw process with raw's token ids, every prompt at once: no Celery, no
-# Redis, no intake processes. Beside ``AS_SENT`` it splits a gap between the worker's engine
-# process and the way the queue hands it jobs
+# the worker's own engine (``EngineHost``: its engine client, the monitor, what it adds to a
+# request) driven from the raw process with raw's token ids, every prompt at once: no Celery and
+# no Redis. Beside ``AS_SENT`` it splits a gap between the worker's engine host and the way the
+# queue hands it jobs
 ALONE = "vqueue engine alone"
 SYSTEMS = ("raw LLM.chat", "raw AsyncLLM", "vqueue", "vqueue no-monitor", AS_SENT, ALONE)
 RAW = SYSTEMS[:2]
@@ -144,11 +144,10 @@ def launch_worker(
     default = Settings.model_fields["urgent_concurrency"].default
     urgent = int(env.get("VQUEUE_URGENT_CONCURRENCY", default)) > 0
 
-    def up() -> bool:  # the worker and every intake process feeding its engine, urgent included
-        workers = store.workers()
-        first = [w for w in workers if w.get("name") == name]
-        want = first[0].get("intake_processes", 1) - 1 + urgent if first else 0
-        return bool(first) and sum(w.get("intake_of") == name for w in workers) >= want
+    def up() -> bool:  # the worker, and its urgent process where it has one
+        workers = store.workers(lanes=True)
+        first = any(w.get("name") == name for w in workers)
+        return first and (not urgent or any(w.get("urgent_of") == name for w in workers))
 
     while not up():
         if proc.poll() is not None or time.perf_counter() - t0 > 900:
@@ -199,10 +198,10 @@ def own_worker(
 
 class Stamps(NamedTuple):
     """One job's wall clocks through the system (None: not reported): queued in Redis
-    (enqueued to started), building its prompt (to sent), on its way into vLLM (the worker's
-    frontend process and vLLM's input processing, to submitted), in the engine's queue (to
-    scheduled), prefill (to the first token), then generating. Raw rows have no Redis, no
-    prompt to build and no frontend process: enqueued and started are their clock's start,
+    (enqueued to started), building its prompt (to sent), on its way into vLLM (the hand-off to
+    the engine client's loop and vLLM's input processing, to submitted), in the engine's queue
+    (to scheduled), prefill (to the first token), then generating. Raw rows have no Redis and no
+    prompt to build: enqueued and started are their clock's start,
     sent is when the request's coroutine called vLLM, and "into vLLM" is vLLM's own input
     processing of every prompt submitted at once."""
 
@@ -609,7 +608,10 @@ class RawEngines:
             return tokens, retried, stamps, gen.cached_tokens
 
         def counters() -> dict[str, float]:
-            return engine_counters(host.frontend.metrics_text() or "")
+            from prometheus_client import REGISTRY, generate_latest
+
+            # vLLM's own series, which its client registers in this process
+            return engine_counters(generate_latest(REGISTRY).decode())
 
         before = counters()
         t, t0 = time.perf_counter(), time.time()
@@ -662,8 +664,8 @@ class RawEngines:
         )
 
     def _online(self, name: str, rnd: int, prep: list, system: str) -> dict[str, Any]:
-        from worker.frontend import _arrived_at, _first_token_at, _scheduled_at
         from worker.runner import sampling_params
+        from worker.vllm_ext.client import _first_token_at, _scheduled_at
 
         room = self.settings.max_model_len
         as_sent = system == AS_SENT
@@ -700,9 +702,9 @@ class RawEngines:
                 # the returned attempt's engine stamps, as a vqueue result carries them
                 st = Stamps(
                     sent=sent,
-                    submitted=_arrived_at(final),
-                    scheduled=_scheduled_at(final),
-                    first=_first_token_at(final),
+                    submitted=float(getattr(final.metrics, "arrival_time", 0)) or None,
+                    scheduled=_scheduled_at(final.metrics),
+                    first=_first_token_at(final.metrics),
                     finished=time.time(),
                 )
                 first_first = st.first if attempt == 0 else first_first  # TTFT: as before
@@ -1314,8 +1316,8 @@ def main() -> None:
             meta["started_together"] = True
         meta["vqueue_start_s"] = vq.start_s
         meta.update({f"{v}_start_s": vqs[v].start_s for v in variants})
-        first = [w for w in vq.client.store.workers() if not w.get("intake_of")]
-        meta["vqueue_intake_processes"] = first[0].get("intake_processes", 1) if first else None
+        lanes = vq.client.store.workers(lanes=True)
+        meta["vqueue_urgent_process"] = any(w.get("urgent_of") for w in lanes)
         import vllm
 
         meta["vllm"] = vllm.__version__

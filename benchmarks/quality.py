@@ -776,8 +776,7 @@ def loops_only(a: argparse.Namespace, report: dict[str, Any]) -> None:
 def _plan_of(w: Worker) -> Any:
     """The worker's engine plan's loop check, from its heartbeat (``vqueue status``)."""
     for info in w.client.store.workers():
-        if not info.get("intake_of"):
-            return (info.get("engine") or {}).get("loop_check")
+        return (info.get("engine") or {}).get("loop_check")
     return None
 
 

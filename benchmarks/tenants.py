@@ -83,7 +83,7 @@ def main() -> None:
         VQUEUE_RESULT_CACHE="false",
         VQUEUE_FILES_DIR=str(out / "files"), VQUEUE_API_POLL_S="0.2",
         VQUEUE_ENGINE_CLASS="benchmarks.stub_engine:StubEngine",
-        VQUEUE_URGENT_CONCURRENCY="0",  # the stub engine takes no other intake processes
+        VQUEUE_URGENT_CONCURRENCY="0",  # the stub engine runs no urgent process
     )  # fmt: skip
     env = {**os.environ, **env}
     proc, log, _ = launch_worker(f"{tag}@w", env, out / "worker.log", a.redis, "-l", "WARNING")

@@ -693,7 +693,7 @@ def _fleet_status(client: Any, as_json: bool) -> str:
     """Every live worker (from its heartbeat) and the depth of every queue one consumes."""
     from protocol.routing import urgent_queue, worker_queue
 
-    workers = client.store.workers()
+    workers = client.store.workers(lanes=True)
     shared = {client.settings.queue, *(w["queue"] for w in workers if w.get("queue"))}
     shared |= {urgent_queue(q) for q in shared}
     own = {worker_queue(w["queue"], w["name"]) for w in workers if w.get("routed")}
@@ -702,15 +702,15 @@ def _fleet_status(client: Any, as_json: bool) -> str:
     if as_json:
         return json.dumps({"queues": depths, "workers": workers})
     lines = [f"queue {q}: {d} waiting" for q, d in depths.items()]
-    intakes = sum(bool(w.get("intake_of")) for w in workers)
+    lanes = sum(bool(w.get("urgent_of")) for w in workers)
     lines.append(
-        f"{len(workers) - intakes} live worker(s)"
-        + (f", fed by {intakes} more intake process(es)" if intakes else "")
+        f"{len(workers) - lanes} live worker(s)"
+        + (f", {lanes} with an urgent process" if lanes else "")
     )
     for w in workers:
-        if w.get("intake_of"):  # a Celery process feeding another worker's engine
+        if w.get("urgent_of"):  # a second client of that worker's engine core
             lines.append(
-                f"  {w['name']}  {'urgent ' if w.get('urgent') else ''}intake of {w['intake_of']}"
+                f"  {w['name']}  urgent process of {w['urgent_of']}"
                 f" in_flight={w['in_flight']}/{w['concurrency']} done={w['jobs_done']}"
             )
             continue

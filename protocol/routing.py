@@ -43,9 +43,9 @@ def model_queue(queue: str, model: str) -> str:
 
 
 def urgent_queue(queue: str) -> str:
-    """Where jobs at ``Settings.urgent_priority`` or above wait: every intake process of every
-    worker on ``queue`` consumes it, and each worker's urgent intake process consumes it alone,
-    with slots beyond the worker's share of bulk jobs (worker/app.py: ``Intakes``)."""
+    """Where jobs at ``Settings.urgent_priority`` or above wait: every worker on ``queue``
+    consumes it beside its other queues, and each worker's urgent process consumes it alone,
+    with slots beyond the worker's share of bulk jobs (worker/app.py: ``UrgentLane``)."""
     return f"{queue}.urgent"
 
 
@@ -82,12 +82,9 @@ class Router:
             live = [
                 w for w in self.store.workers() if w.get("queue") == self.queue and w.get("routed")
             ]
-            # one routed queue per engine: a worker's intake processes all consume it, each
-            # holding a share of what the engine holds
+            # one routed queue per engine, which its worker consumes
             self._workers = {
-                w["name"]: self.spill
-                or max(int(w.get("concurrency") or 1), 1) * int(w.get("intake_processes") or 1)
-                for w in live
+                w["name"]: self.spill or max(int(w.get("concurrency") or 1), 1) for w in live
             }
             models: dict[str, list[str]] = defaultdict(list)
             for w in live:

@@ -960,11 +960,14 @@ class BatchStore:
         pipe.hset(f"{self.prefix}:workers:queue", name, str(info.get("queue", "")))
         pipe.execute()
 
-    def workers(self) -> list[dict[str, Any]]:
-        """Live workers' heartbeats, by name: two reads, however large the keyspace."""
+    def workers(self, lanes: bool = False) -> list[dict[str, Any]]:
+        """Live workers' heartbeats, by name: two reads, however large the keyspace.
+        ``lanes``: with each worker's urgent process too (its heartbeat names the worker in
+        ``urgent_of``), which is part of that worker, not one more."""
         names = self.r.zrangebyscore(f"{self.prefix}:workers", time.time(), "+inf")
         values = self.r.mget([self.worker_key(n) for n in sorted(names)]) if names else []
-        return [json.loads(v) for v in values if v]
+        beats = [json.loads(v) for v in values if v]
+        return beats if lanes else [w for w in beats if not w.get("urgent_of")]
 
     def consumed(self, queue: str | None) -> bool:
         """Whether some live worker consumes ``queue``."""

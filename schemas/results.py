@@ -121,14 +121,14 @@ class TestReport(BaseModel):
 
 class Timings(BaseModel):
     """Wall-clock epoch seconds of a job's way through a worker: queued in Redis until
-    ``started_at``, building its prompt (input limits, chat template, tokenizing) until
-    ``sent_at``, on its way into vLLM (the worker's frontend process, vLLM's input processing)
-    until ``submitted_at``, waiting in the engine's scheduler until ``scheduled_at``, prefill
-    until ``first_token_at``, then generating until ``finished_at``. The stamps from
-    ``sent_at`` to ``first_token_at`` are the returned attempt's (a job run again has the
-    earlier attempts before ``sent_at``, the last of them ending at ``previous_finished_at``:
-    from there to ``sent_at`` is what running it again cost besides the generation); the
-    engine's are None where it did not report them."""
+    ``started_at``, building its prompt (input limits, chat template, tokenizing) until ``sent_at``,
+    on its way into vLLM (the hand-off to its engine client's loop, vLLM's input processing) until
+    ``submitted_at``, waiting in the engine's scheduler until ``scheduled_at``, prefill until
+    ``first_token_at``, then generating until ``finished_at``. The stamps from ``sent_at`` to
+    ``first_token_at`` are the returned attempt's (a job run again has the earlier attempts before
+    ``sent_at``, the last of them ending at ``previous_finished_at``: from there to ``sent_at`` is
+    what running it again cost besides the generation); the engine's are None where it did not
+    report them."""
 
     enqueued_at: float
     started_at: float | None = None
@@ -138,7 +138,7 @@ class Timings(BaseModel):
     first_token_at: float | None = None
     finished_at: float | None = None
     # a job run again (a cut-off JSON answer, an early-stop abort, a loop): when the attempt
-    # before the returned one had its final output in vLLM's frontend
+    # before the returned one had its final output in vLLM's front end
     previous_finished_at: float | None = None
     # times the engine preempted the returned attempt (its KV cache ran short, or an urgent job
     # took its slot): each time it resumed after computing its tokens again. From vLLM's

@@ -162,28 +162,23 @@ class Settings(BaseSettings):
     # Celery threads; 0 means 2 * max_num_seqs, so the engine always has its next batch queued
     # (`vqueue worker` resolves an unset max_num_seqs for its device first)
     concurrency: int = 0
-    # Celery processes that take jobs in for the worker's one engine, each with its share of
-    # the concurrency and its own consumer, tokenizer and task threads (worker/app.py: a Celery
-    # consumer takes one message per Redis round trip, fewer a second than a large GPU starts
-    # short jobs). 0: 1 on a CPU host; with a GPU, half the CPU cores there are per engine,
-    # from 2 to 8 (docs/benchmarks.md)
-    intake_processes: int = Field(default=0, ge=0, le=32)
-    # jobs at this priority or above are urgent: they wait in <queue>.urgent, which every intake
-    # process takes from beside its other queues, and a worker's urgent intake alone, with
-    # slots beyond the worker's share of bulk jobs; 10: no job is urgent
+    # jobs at this priority or above are urgent: they wait in <queue>.urgent, which a worker
+    # takes from beside its other queues, and its urgent process alone, with slots beyond the
+    # worker's share of bulk jobs; 10: no job is urgent
     urgent_priority: int = Field(default=9, ge=0, le=10)
-    # urgent jobs one worker takes in beyond its share (its urgent intake process's slots); 0:
-    # no urgent intake process, an urgent job waits for a slot to free (docs/architecture.md)
+    # urgent jobs one worker takes in beyond its share (its urgent process's slots); 0: no
+    # urgent process, an urgent job waits for a slot to free (docs/architecture.md)
     urgent_concurrency: int = Field(default=16, ge=0, le=1024)
     # an urgent job waiting in vLLM's line while every slot runs takes the place of a running
     # lower-priority one, which resumes later after recomputing (worker/vllm_ext/scheduler.py);
     # off: it waits for one to finish (with a full bulk batch, up to one answer's generation)
     urgent_preempt: bool = True
-    # set by a worker for its other intake processes (internal): its frontend's socket and key,
-    # its name, and its pid (they exit when it is gone)
-    frontend: str = ""
-    intake_of: str = ""
-    intake_owner: int = 0
+    # set by a worker for its urgent process (internal): its engine core's addresses for that
+    # client (worker.vllm_ext.client.CoreAddress), its name, and its pid (the urgent process
+    # exits when it is gone)
+    engine_client: str = ""
+    urgent_of: str = ""
+    urgent_owner: int = 0
     gpus: str | None = None  # CUDA_VISIBLE_DEVICES for this worker
     heartbeat_s: float = 5.0  # how often a worker refreshes its liveness key
     log_stats_s: float = 10.0  # how often the engine logs vLLM's stats line; 0 turns it off
@@ -407,19 +402,8 @@ class Settings(BaseSettings):
         return out
 
     def worker_concurrency(self) -> int:
-        """Jobs the worker holds at once, all its intake processes together."""
+        """Jobs the worker holds at once (its urgent process's slots are beyond these)."""
         return self.concurrency or 2 * (self.max_num_seqs or 256)
-
-    def intake_count(self, cuda: bool, cores_per_engine: int) -> int:
-        """``intake_processes``, or its default for a host with ``cores_per_engine`` CPU cores
-        for each engine (``worker.vllm_ext.configure.cores_per_engine``)."""
-        if self.intake_processes:
-            return self.intake_processes
-        return min(8, max(2, cores_per_engine // 2)) if cuda else 1
-
-    def intake_concurrency(self, intakes: int) -> int:
-        """One intake process's share of the worker's concurrency."""
-        return -(-self.worker_concurrency() // intakes)
 
     def default_max_tokens(self, job_type: str) -> int:
         return int(getattr(self, f"max_tokens_{job_type}"))

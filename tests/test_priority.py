@@ -33,9 +33,9 @@ def test_an_urgent_job_is_taken_in_past_a_full_share_and_starts_before_waiting_b
     # a batch of 30 bulk jobs at priority 0: 2 generating, 6 waiting in the engine, 22 in Redis
     w = procs.worker("prio", Q, VQUEUE_MAX_NUM_SEQS=str(SEQS), VQUEUE_CONCURRENCY=str(4 * SEQS))
     w.wait_ready(redis_client)
-    urgent_intake = w.node.replace("@", "-urgent@")
-    wait_for(lambda: redis_client.exists(f"{KEY_PREFIX}:worker:{urgent_intake}"), 180,
-             "its urgent intake process")  # fmt: skip
+    urgent_lane = w.node.replace("@", "-urgent@")
+    wait_for(lambda: redis_client.exists(f"{KEY_PREFIX}:worker:{urgent_lane}"), 180,
+             "its urgent process")  # fmt: skip
     client = Client(make_settings(Q))
     bulk = client.submit_many([_bulk(i) for i in range(30)])
 
@@ -53,9 +53,9 @@ def test_an_urgent_job_is_taken_in_past_a_full_share_and_starts_before_waiting_b
     u = urgent.result("urgent", timeout=300)
     done = list(bulk.results(timeout=600))
 
-    # Then the worker's urgent intake process took it in at once, while the worker still held
+    # Then the worker's urgent process took it in at once, while the worker still held
     # its 8 bulk jobs (a slot may be between a finished job and the next for a few ms: 7)
-    assert u.worker == urgent_intake, u.worker
+    assert u.worker == urgent_lane, u.worker
     taken = u.timings.started_at or 0
     holding = [
         r.id for r in done if (r.timings.started_at or 0) <= taken < (r.timings.finished_at or 0)

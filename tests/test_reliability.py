@@ -807,8 +807,8 @@ def test_kill_9_of_a_real_worker_leaves_no_engine_behind(
     env = {"VQUEUE_VISIBILITY_TIMEOUT_S": "40", "VQUEUE_JOB_TIMEOUT_S": "30"}
     w = procs.worker("e9", "faults", VQUEUE_BROKER_URL=fault_redis.url, **env)
     w.wait_ready(client.store.r)
-    urgent = w.node.replace("@", "-urgent@")  # its urgent intake process is one of them
-    wait_for(lambda: urgent in {x["name"] for x in client.store.workers()}, 180, urgent)
+    urgent = w.node.replace("@", "-urgent@")  # its urgent process is one of them
+    wait_for(lambda: urgent in {x["name"] for x in client.store.workers(lanes=True)}, 180, urgent)
     jobs = [{"id": f"k{i}", "type": "summarize", "text": f"Story number {i}.", "max_tokens": 48,
              "min_tokens": 48, "ignore_eos": True} for i in range(12)]  # fmt: skip
     batch = client.submit_many(jobs).id
@@ -834,14 +834,14 @@ def test_kill_9_of_a_real_worker_leaves_no_engine_behind(
                                                 "left_after_10s": 0, **figures})  # fmt: skip
 
 
-def test_an_intake_process_whose_worker_died_while_it_started_exits() -> None:
-    # Given a worker that started an intake process and was killed before it finished starting
-    # (a clean-clone CI run killed one that way and its urgent intake process lived on)
+def test_an_urgent_process_whose_worker_died_while_it_started_exits() -> None:
+    # Given a worker that started its urgent process and was killed before it finished starting
     gone = subprocess.Popen(["true"])
     gone.wait()
-    env = clean_env(VQUEUE_FRONTEND="/nonexistent.sock#00", VQUEUE_INTAKE_OF="gone@test",
-                    VQUEUE_INTAKE_OWNER=str(gone.pid))  # fmt: skip
-    # When the intake process gets as far as loading the worker's app
+    env = clean_env(VQUEUE_ENGINE_CLIENT='{"input": "ipc:///nonexistent-in", "output": '
+                    '"ipc:///nonexistent-out", "index": 1, "count": 2}',
+                    VQUEUE_URGENT_OF="gone@test", VQUEUE_URGENT_OWNER=str(gone.pid))  # fmt: skip
+    # When the urgent process gets as far as loading the worker's app
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", "import worker.app, time; time.sleep(60)"],
                           cwd=WORKDIR, env=env, capture_output=True, timeout=60)  # fmt: skip
@@ -851,41 +851,58 @@ def test_an_intake_process_whose_worker_died_while_it_started_exits() -> None:
     assert b"is gone" in proc.stderr, proc.stderr.decode()[-2000:]
 
 
+def _long_jobs(prefix: str, n: int, tokens: int, **extra: Any) -> list[dict[str, Any]]:
+    return [{"id": f"{prefix}{i}", "type": "summarize", "text": f"Story number {i}.",
+             "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True, **extra}
+            for i in range(n)]  # fmt: skip
+
+
 @pytest.mark.engine
-def test_intake_processes_share_one_engine_and_end_with_the_worker(
+def test_the_urgent_process_shares_the_workers_engine_core_and_ends_with_it(
     procs: Procs, fault_redis: RedisServer
 ) -> None:
-    # Given a real worker whose one engine is fed by two Celery intake processes
+    # Given a real worker, two slots wide, and its urgent process: two Celery processes, each a
+    # client of the worker's one vLLM engine core
     import psutil
 
     client = _client(fault_redis.url, prefix_routing=False)  # every job on the shared queue
-    env = {"VQUEUE_VISIBILITY_TIMEOUT_S": "20", "VQUEUE_JOB_TIMEOUT_S": "15"}
-    w = procs.worker("in2", "faults", VQUEUE_BROKER_URL=fault_redis.url,
-                     VQUEUE_INTAKE_PROCESSES="2", **env)  # fmt: skip
+    env = {"VQUEUE_VISIBILITY_TIMEOUT_S": "40", "VQUEUE_JOB_TIMEOUT_S": "30",
+           "VQUEUE_CONCURRENCY": "2"}  # fmt: skip
+    w = procs.worker("u2", "faults", VQUEUE_BROKER_URL=fault_redis.url, **env)
     w.wait_ready(client.store.r)
-    intake = w.node.replace("@", "-intake1@")
+    urgent = w.node.replace("@", "-urgent@")
 
     def registered() -> dict[str, Any]:
-        return {x["name"]: x for x in client.store.workers()}
+        return {x["name"]: x for x in client.store.workers(lanes=True)}
 
-    urgent = w.node.replace("@", "-urgent@")
-    wait_for(lambda: {intake, urgent} <= set(registered()), 180, "the other intake processes")
-    assert registered()[intake]["intake_of"] == w.node
+    wait_for(lambda: urgent in registered(), 180, "the urgent process")
+    assert registered()[urgent]["urgent_of"] == w.node
+    # (one worker to a health probe, whatever lanes it has)
+    assert [x["name"] for x in client.store.workers()] == [w.node]
     shown = _cli("status", url=fault_redis.url).stdout.decode()
-    # (and its urgent intake process, which takes only urgent jobs: none here)
-    assert "1 live worker(s), fed by 2 more intake process(es)" in shown, shown
-    assert f"{intake}  intake of {w.node}" in shown, shown
-    assert f"{urgent}  urgent intake of {w.node}" in shown, shown
-    # When a batch runs
-    jobs = [{"id": f"s{i}", "type": "summarize", "text": f"Story number {i}.", "max_tokens": 24,
-             "min_tokens": 24, "ignore_eos": True} for i in range(24)]  # fmt: skip
-    batch = client.submit_many(jobs).id
-    wait_for(lambda: _done(client, batch) >= 24, 300, "the batch")
-    # Then both processes took jobs in, each job ran once, and one engine ran them all
-    ran = Counter(r.worker for r in client.store.iter_all(batch))
-    assert set(ran) == {w.node, intake} and min(ran.values()) >= 2, ran
-    figures = _exactly_once(client, batch, 24)
-    # and the worker's one metrics port counts every job, whichever process ran it
+    assert "1 live worker(s), 1 with an urgent process" in shown, shown
+    assert f"{urgent}  urgent process of {w.node}" in shown, shown
+    tree = psutil.Process(w.proc.pid).children(recursive=True)
+    cores = [p for p in tree if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+    assert len(cores) == 1, [p.cmdline()[:3] for p in tree]
+    lanes = [p for p in tree if "-urgent@" in " ".join(p.cmdline())]
+    assert len(lanes) == 1, [p.cmdline()[:3] for p in tree]
+    # (the urgent process started before the engine core, not once it was up)
+    assert lanes[0].create_time() <= cores[0].create_time()
+
+    # When bulk jobs fill the worker's share and urgent jobs come after them
+    bulk = client.submit_many(_long_jobs("b", 8, 64)).id
+    wait_for(lambda: _in_flight(client, bulk) >= 2, 60, "the worker's share to fill")
+    fast = client.submit_many(_long_jobs("u", 4, 8, priority=9)).id
+    wait_for(lambda: _done(client, fast) >= 4, 120, "the urgent jobs")
+    # Then the urgent process ran them on the same engine, while bulk jobs still waited
+    assert {r.worker for r in client.store.iter_all(fast)} == {urgent}
+    assert _done(client, bulk) < 8
+    wait_for(lambda: _done(client, bulk) >= 8, 300, "the bulk jobs")
+    figures = _exactly_once(client, bulk, 8)
+    _exactly_once(client, fast, 4)
+    # and the worker's one metrics port counts every job, whichever process ran it, beside
+    # vLLM's own series
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -898,49 +915,58 @@ def test_intake_processes_share_one_engine_and_end_with_the_worker(
         done = families()["vqueue_jobs_completed"].samples
         return sum(x.value for x in done if x.labels.get("type") == "summarize")
 
-    # a job is counted a moment after its result is in Redis, where the wait above saw it
-    wait_for(lambda: summarized() == 24, 10, "the metrics to count all 24 jobs")
+    wait_for(lambda: summarized() == 12, 10, "the metrics to count all 12 jobs")
     assert any(name.startswith("vllm:") for name in families())
-    tree = psutil.Process(w.proc.pid).children(recursive=True)
-    cores = [p for p in tree if "EngineCore" in " ".join(p.cmdline()) + p.name()]
-    assert len(cores) == 1, [p.cmdline()[:3] for p in tree]
-    # (the intake processes started before the engine's frontend, not once it was up)
-    frontend = [p for p in tree if "vqueue::frontend" in " ".join(p.cmdline()) + p.name()]
-    intakes = [p for p in tree if "-intake1@" in " ".join(p.cmdline())]
-    assert len(frontend) == 1 and len(intakes) == 1, [p.cmdline()[:3] for p in tree]
-    assert intakes[0].create_time() <= frontend[0].create_time()
 
     # When the worker is killed with SIGKILL in the middle of the next batch
-    jobs = [{**j, "id": f"k{i}", "max_tokens": 48, "min_tokens": 48} for i, j in enumerate(jobs)]
-    second = client.submit_many(jobs[:12]).id
-    wait_for(lambda: _started(client, second) >= 12, 60, "all 12 jobs to be taken in")
+    second = client.submit_many(_long_jobs("k", 6, 48)).id
+    wait_for(lambda: _started(client, second) >= 2, 60, "jobs to be taken in")
     w.kill9()
 
-    # Then its intake process and its engine's processes are gone within 10 s
-    wait_for(lambda: not any(_running(p) for p in tree), 10, "the intake and engine to exit")
+    # Then its urgent process and its engine's processes are gone within 10 s
+    wait_for(lambda: not any(_running(p) for p in tree), 10, "the urgent process and engine")
     # and the next worker (the fake engine: queue mechanics from here) finishes it, once each
-    procs.fake_worker("in2", fault_redis.url, delay=0.05, concurrency=4)
-    try:
-        wait_for(lambda: _done(client, second) >= 12, 120, "the batch on the next worker")
-    except AssertionError as exc:  # a job lost, or kombu's restore lock left held: say which
-        r = client.store.r
-        state = {
-            "done": _done(client, second),
-            "unacked": r.hlen("unacked"),
-            "unacked_mutex_ttl": r.ttl("unacked_mutex"),
-            "queued": client.queue_depth(),
-        }
-        raise AssertionError(f"{exc}: {state}") from None
-    _exactly_once(client, second, 12)
-    _report("two intake processes, one engine", {"jobs": 24, "per_process": dict(ran),
-                                                 "left_after_kill_10s": 0, **figures})  # fmt: skip
+    procs.fake_worker("u2", fault_redis.url, delay=0.05, concurrency=4)
+    wait_for(lambda: _done(client, second) >= 6, 120, "the batch on the next worker")
+    _exactly_once(client, second, 6)
+    _report("the urgent process beside the worker, one engine core", {"jobs": 18, **figures})
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("killed", ["EngineCore", "vqueue::frontend"])
-def test_engine_death_hands_jobs_back_and_exits_9(
-    procs: Procs, fault_redis: RedisServer, killed: str
+def test_a_killed_urgent_process_loses_no_job_and_its_worker_carries_on(
+    procs: Procs, fault_redis: RedisServer
 ) -> None:
+    # Given a real worker whose urgent process is running urgent jobs
+    import psutil
+
+    client = _client(fault_redis.url, prefix_routing=False)
+    env = {"VQUEUE_VISIBILITY_TIMEOUT_S": "20", "VQUEUE_JOB_TIMEOUT_S": "15",
+           "VQUEUE_CONCURRENCY": "2"}  # fmt: skip
+    w = procs.worker("uk", "faults", VQUEUE_BROKER_URL=fault_redis.url, **env)
+    w.wait_ready(client.store.r)
+    urgent = w.node.replace("@", "-urgent@")
+    wait_for(lambda: urgent in {x["name"] for x in client.store.workers(lanes=True)}, 180,
+             "the urgent process")  # fmt: skip
+    bulk = client.submit_many(_long_jobs("b", 4, 96)).id
+    wait_for(lambda: _in_flight(client, bulk) >= 2, 60, "the worker's share to fill")
+    fast = client.submit_many(_long_jobs("u", 4, 96, priority=9)).id
+    wait_for(lambda: _in_flight(client, fast) >= 1, 60, "the urgent process to take jobs")
+    # When the urgent process alone is killed with SIGKILL
+    lane = next(p for p in psutil.Process(w.proc.pid).children(recursive=True)
+                if "-urgent@" in " ".join(p.cmdline()))  # fmt: skip
+    lane.kill()
+    # Then the worker and its engine carry on, and every job of both batches ends once: the
+    # urgent process's jobs come back after the visibility timeout and the worker takes them
+    wait_for(lambda: _done(client, fast) >= 4 and _done(client, bulk) >= 4, 300, "every job")
+    assert w.proc.poll() is None
+    _exactly_once(client, bulk, 4)
+    _exactly_once(client, fast, 4)
+    w.log.close()
+    assert "urgent jobs are taken by this process alone" in w.log_path.read_text()
+
+
+@pytest.mark.engine
+def test_engine_death_hands_jobs_back_and_exits_9(procs: Procs, fault_redis: RedisServer) -> None:
     # Given a real worker generating a long job
     import psutil
 
@@ -955,10 +981,10 @@ def test_engine_death_hands_jobs_back_and_exits_9(
     batch = client.submit_many([job]).id
     own = f"faults@{w.node}"
     wait_for(lambda: _in_flight(client, batch) == 1, 30, "the worker to take the job")
-    # When vLLM's engine process, or the worker's vLLM frontend process, dies under it
+    # When vLLM's engine core dies under it
     cores = [p for p in psutil.Process(w.proc.pid).children(recursive=True)
-             if killed in " ".join(p.cmdline()) + p.name()]  # fmt: skip
-    assert cores, f"no {killed} process found"
+             if "EngineCore" in " ".join(p.cmdline()) + p.name()]  # fmt: skip
+    assert cores, "no EngineCore process found"
     for p in cores:
         p.kill()
     # Then the worker exits 9 (ENGINE) for its supervisor, and the job is handed back
@@ -1438,15 +1464,15 @@ def test_password_and_tls_broker(procs: Procs, tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_sockets_and_boards_of_processes_that_are_gone_are_removed(tmp_path: Path) -> None:
-    # Given a frontend socket and a confidence board left by a process killed with -9, and one
-    # of each of a process that lives (this one)
+    # Given an engine-core socket and a confidence board left by a process killed with -9, and
+    # one of each of a process that lives (this one)
     from worker.app import remove_stale_files
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    left = [tmp_path / f"vqueue-frontend-{gone.pid}-ab12.sock",
+    left = [tmp_path / f"vqueue-core-{gone.pid}-ab12-in1",
             tmp_path / f"vqueue-confidence-{gone.pid}-cd34"]  # fmt: skip
-    live = [tmp_path / f"vqueue-frontend-{os.getpid()}-ef56.sock",
+    live = [tmp_path / f"vqueue-core-{os.getpid()}-ef56-in1",
             tmp_path / f"vqueue-confidence-{os.getpid()}-0a1b"]  # fmt: skip
     for p in [*left, *live]:
         p.write_bytes(b"")
@@ -1461,7 +1487,7 @@ def test_a_ready_worker_process_takes_its_startup_heap_out_of_the_collectors_wal
 
     # Given a process that has imported the worker (Celery, vLLM's parameters, the runner)
     import worker.runner  # noqa: F401
-    from worker.app import freeze_heap
+    from worker.vllm_ext.client import freeze_heap
 
     gc.unfreeze()
     try:

@@ -482,17 +482,6 @@ def test_stored_templates_are_not_checked_again() -> None:
     assert Template.model_validate_json(t.model_dump_json(), context={"stored": True}) == t
 
 
-def test_a_gpu_worker_takes_jobs_in_through_half_its_cores_two_to_eight() -> None:
-    from schemas import Settings
-
-    # Given the default setting, a GPU engine gets half the CPU cores it can count on, 2 to 8
-    auto = Settings(_env_file=None)
-    assert [auto.intake_count(True, c) for c in (1, 2, 8, 16, 64)] == [2, 2, 4, 8, 8]
-    # a CPU host one process, and an explicit count is kept as it is
-    assert auto.intake_count(False, 64) == 1
-    assert Settings(_env_file=None, intake_processes=3).intake_count(True, 64) == 3
-
-
 def test_a_model_answers_to_its_served_names_or_else_to_itself() -> None:
     from schemas import Settings
 

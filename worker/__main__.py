@@ -1,6 +1,6 @@
 """``vqueue worker`` (``python -m worker``): start a worker, or check what one would run with.
 
-It sets up the environment (GPUs, metrics port, the pool's size, the intake processes) and runs
+It sets up the environment (GPUs, metrics port, the pool's size, the urgent process) and runs
 ``celery worker`` in its own place, so a supervisor's signals and the exit code are Celery's
 and the worker's (``protocol.exits``). The ``vqueue`` command runs this module in its own place
 for ``vqueue worker``.
@@ -20,7 +20,7 @@ from protocol.exits import RET_CONFIG, RET_USAGE
 from schemas import get_settings
 from schemas.settings import describe_settings_error
 
-from .vllm_ext.configure import cores_per_engine, device_max_num_seqs, has_cuda
+from .vllm_ext.configure import device_max_num_seqs
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -64,12 +64,10 @@ def main(
     check_here: bool,
     celery_args: tuple[str, ...],
 ) -> None:
-    """Start a worker: one persistent vLLM engine, fed by Celery processes.
+    """Start a worker: one persistent vLLM engine, fed by its Celery process.
 
-    With a GPU, several Celery processes take jobs in for the engine (VQUEUE_INTAKE_PROCESSES:
-    half the host's CPU cores per GPU, 2 to 8); the first starts the engine and the others, and
-    stops them when it stops. One more takes urgent jobs beyond the worker's share
-    (VQUEUE_URGENT_CONCURRENCY).
+    One more Celery process, a second client of the same engine core, takes urgent jobs
+    beyond the worker's share (VQUEUE_URGENT_CONCURRENCY); the worker starts it and stops it.
 
     Extra arguments go to the first process's 'celery worker' unchanged.
     """
@@ -111,18 +109,10 @@ def main(
             os.environ["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
         env["VQUEUE_MAX_NUM_SEQS"] = str(device_max_num_seqs())
         ws = ws.model_copy(update={"max_num_seqs": int(env["VQUEUE_MAX_NUM_SEQS"])})
-    intakes = s.intake_processes
-    if not intakes:  # auto: several on a GPU, where one consumer cannot keep up (settings)
-        intakes = s.intake_count(has_cuda(), cores_per_engine(s))
-    if intakes > 1 or s.urgent_concurrency:  # more Celery processes than this one
+    if s.urgent_concurrency:  # the urgent process's job metrics are served from this one's port
         import tempfile
 
-        # their job metrics meet here and are served from the first one's port (worker.metrics)
         env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vqueue-metrics-")
-    if intakes > 1:  # each Celery process holds its share of what the engine holds
-        env["VQUEUE_INTAKE_PROCESSES"] = str(intakes)
-        env["VQUEUE_CONCURRENCY"] = str(ws.intake_concurrency(intakes))
-        ws = ws.model_copy(update={"concurrency": ws.intake_concurrency(intakes)})
     from celery.utils.nodenames import host_format
 
     name = host_format(

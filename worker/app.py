@@ -8,7 +8,6 @@ arq's ``on_startup``/``on_shutdown``.
 from __future__ import annotations
 
 import contextlib
-import gc
 import glob
 import logging
 import os
@@ -348,119 +347,90 @@ def exit_after_handing_back(code: int) -> None:
 
 
 settings = get_settings()
-if settings.frontend:  # an intake process ends with the worker that started it, watched from
-    # import on: that worker can die while this process is still starting
+if settings.urgent_owner:  # the urgent process ends with the worker that started it, watched
+    # from import on: that worker can die while this process is still starting
     from .vllm_ext.plugin import watch_owner
 
-    watch_owner(settings.intake_owner or os.getppid(), on_gone=lambda: exit_after_handing_back(70))
+    watch_owner(settings.urgent_owner, on_gone=lambda: exit_after_handing_back(70))
 app = create_app(settings)
 guard_closed_channels()
 reuse_broker_clients()
 app.conf.imports = ("worker.tasks",)
 
 
-URGENT = 0  # the urgent intake process's number among a worker's intake processes
-
-
-def intake_name(hostname: str, i: int) -> str:
-    """``vqueue-gpu0@host`` -> ``vqueue-gpu0-intake1@host`` (``-urgent`` for ``URGENT``)."""
+def urgent_name(hostname: str) -> str:
+    """``vqueue-gpu0@host`` -> ``vqueue-gpu0-urgent@host``: the worker's urgent process."""
     name, at, host = hostname.partition("@")
-    return f"{name}-{'urgent' if i == URGENT else f'intake{i}'}{at}{host}"
+    return f"{name}-urgent{at}{host}"
 
 
-class Intakes:
-    """The worker's other intake processes: Celery workers of their own (consumer, task threads,
-    tokenizer, heartbeat) whose jobs run on this process's engine, reached through its
-    frontend's socket.
+class UrgentLane:
+    """The worker's urgent process: a Celery worker of its own (consumer, task threads,
+    tokenizer, heartbeat) that consumes ``<queue>.urgent`` alone, with
+    ``Settings.urgent_concurrency`` slots, as a second client of this worker's engine core.
 
-    - ``count - 1`` more like this one: they consume this one's routed queue, the shared one
-      and the urgent one. One Celery consumer takes in one job per Redis round trip, fewer a
-      second than a large GPU finishes short jobs; several, feeding one engine, do not share a
-      GIL.
-    - The urgent one (``urgent`` slots, 0 for none) consumes the urgent queue alone. A Celery
-      consumer whose slots are all taken asks Redis for nothing, whatever waits there; with
-      bulk jobs filling every other process's share, this one still takes an urgent job at
-      once, and vLLM's priority scheduling runs it ahead of the bulk jobs waiting in the engine.
+    A Celery consumer whose slots are all taken asks Redis for nothing, whatever waits there;
+    with bulk jobs filling the worker's share, this one still takes an urgent job at once, and
+    vLLM's priority scheduling runs it ahead of the bulk jobs waiting in the engine.
 
-    The first process starts them before it starts the engine, so that their imports overlap
-    vLLM's load, and they connect all at once when it is up (``frontend.connect``); it starts
-    one again if it dies while the engine lives, and stops them when it stops; they exit if it
-    dies (``watch_owner``)."""
+    It is started before the engine so that its imports overlap vLLM's load, and joins the
+    core when it is up. It exits when the worker dies (``watch_owner``), and the worker stops
+    it when it stops. One that dies is not started again: vLLM's engine core takes its
+    clients at its own start only. The worker consumes the urgent queue too, so urgent jobs
+    still run, within its share, until the worker restarts."""
 
-    def __init__(self, worker: Any, count: int, urgent: int, frontend: str) -> None:
-        self.worker = worker
-        self.urgent = urgent
-        self.env = dict(
-            os.environ,
-            VQUEUE_FRONTEND=frontend,
-            VQUEUE_INTAKE_OF=worker.hostname,
-            VQUEUE_INTAKE_OWNER=str(os.getpid()),
-            VQUEUE_INTAKE_PROCESSES=str(count),
-            VQUEUE_METRICS_PORT="0",  # the engine's metrics are the first process's
-        )
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+    def __init__(self, worker: Any, address: Any) -> None:
+        self.name = urgent_name(worker.hostname)
         self.stopping = threading.Event()
-        self._lock = threading.Lock()  # no start once stopping
-        for i in range(URGENT if urgent else 1, max(count, 1)):
-            self._start(i)
-        threading.Thread(target=self._watch, name="vqueue-intakes", daemon=True).start()
-
-    def _start(self, i: int) -> None:
-        name = intake_name(self.worker.hostname, i)
-        if i == URGENT:
-            slots, queues = self.urgent, urgent_queue(settings.queue)
-        else:  # and this process's own queue (``_add_queues``): routing picks engines
-            slots, queues = self.worker.concurrency, settings.queue
+        slots = settings.urgent_concurrency
         argv = [
             sys.executable, "-m", "celery", "-A", "worker.app", "worker",
-            "--pool", "threads", "--concurrency", str(slots), "--queues", queues,
-            "--hostname", name, "--loglevel", logging.getLevelName(self.worker.loglevel),
+            "--pool", "threads", "--concurrency", str(slots),
+            "--queues", urgent_queue(settings.queue),
+            "--hostname", self.name, "--loglevel", logging.getLevelName(worker.loglevel),
             *(["--task-events"] if settings.task_events else []),
             "--without-mingle", "--without-gossip",
         ]  # fmt: skip
-        env = dict(self.env, VQUEUE_CONCURRENCY=str(slots))
-        with self._lock:
-            if self.stopping.is_set():
-                return
-            self.procs[i] = subprocess.Popen(argv, env=env)  # its log is this one's
-        log.info("intake process %s started (pid %d)", name, self.procs[i].pid)
+        env = dict(
+            os.environ,
+            VQUEUE_ENGINE_CLIENT=address.spell(),
+            VQUEUE_URGENT_OF=worker.hostname,
+            VQUEUE_URGENT_OWNER=str(os.getpid()),
+            VQUEUE_CONCURRENCY=str(slots),
+            VQUEUE_JOBS_PER_MESSAGE="1",
+            VQUEUE_METRICS_PORT="0",  # the worker serves the metrics of both
+        )
+        self.proc = subprocess.Popen(argv, env=env)  # its log is this one's
+        log.info("urgent process %s started (pid %d)", self.name, self.proc.pid)
+        threading.Thread(target=self._watch, name="vqueue-urgent-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        while not self.stopping.wait(1.0):
-            for i, proc in list(self.procs.items()):
-                if proc.poll() is None or self.stopping.is_set():
-                    continue
-                dead = getattr(getattr(state.engine, "frontend", None), "dead", None)
-                if dead:  # the engine is gone: every process of this worker exits for it
-                    return
-                log.error(
-                    "intake process %s exited (code %s); its jobs return after the visibility "
-                    "timeout; starting it again", intake_name(self.worker.hostname, i),
-                    proc.returncode,
-                )  # fmt: skip
-                from . import metrics
+        code = self.proc.wait()
+        if self.stopping.is_set() or state.dying:
+            return
+        from . import metrics
 
-                metrics.process_gone(proc.pid)
-                self._start(i)
+        metrics.process_gone(self.proc.pid)
+        log.error(
+            "urgent process %s exited (code %s); its jobs return after the visibility timeout, "
+            "and urgent jobs are taken by this process alone, within its share, until the "
+            "worker restarts", self.name, code,
+        )  # fmt: skip
 
     def stop(self) -> None:
-        """Ask each to stop (Celery's warm shutdown: it finishes the jobs it holds)."""
-        with self._lock:
-            if self.stopping.is_set():
-                return
-            self.stopping.set()
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        """Ask it to stop (Celery's warm shutdown: it finishes the jobs it holds)."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
 
     def wait(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                log.error("intake process %d did not stop in time; killing it", proc.pid)
-                proc.kill()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.error("urgent process %d did not stop in time; killing it", self.proc.pid)
+            self.proc.kill()
 
 
 class _WorkerState:
@@ -469,7 +439,7 @@ class _WorkerState:
     engine: Any = None
     name: str = ""
     metrics_url: str | None = None
-    intakes: Intakes | None = None
+    urgent: UrgentLane | None = None
     stop = threading.Event()
     dying = False  # the engine is gone: jobs taken from here on go straight back
     slots = 0  # this process's Celery pool size, once its consumer is ready
@@ -493,13 +463,13 @@ def engine_died() -> None:
 
 
 def remove_stale_files(directories: tuple[str, ...] = ("/dev/shm", tempfile.gettempdir())) -> int:
-    """Remove what processes that are gone left behind: frontend sockets and confidence boards
+    """Remove what processes that are gone left behind: engine-core sockets and confidence boards
     are named ``vqueue-<kind>-<pid>-...`` after the process that made them, and one killed
     (``kill -9``, the OOM killer) never removes its own. Returns how many were removed."""
     removed = 0
     for directory in directories:
         for path in glob.glob(os.path.join(directory, "vqueue-*-*-*")):
-            match = re.fullmatch(r"vqueue-(?:frontend|confidence)-(\d+)-.*", os.path.basename(path))
+            match = re.fullmatch(r"vqueue-(?:core|confidence)-(\d+)-.*", os.path.basename(path))
             if match is None:
                 continue
             try:
@@ -522,14 +492,14 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
     from . import metrics
     from .engine import ConfigError
 
-    if not settings.frontend and (n := remove_stale_files()):
+    if not settings.urgent_of and (n := remove_stale_files()):
         log.info("removed %d socket(s) and board(s) left by processes that are gone", n)
 
     state.metrics_url = metrics.serve(settings.metrics_port, settings.metrics_host)
-    # One interpreter holds Celery's consumer, the task threads and the tokenizer, and each
-    # Redis reply waits for the GIL. Python hands the GIL to a waiting thread only every switch
-    # interval (5 ms by default), so while another thread computes, every round trip costs up
-    # to that: a convoy. A shorter interval keeps the consumer moving
+    # One interpreter holds Celery's consumer, the task threads, the tokenizer and vLLM's loop,
+    # and each Redis reply waits for the GIL. Python hands the GIL to a waiting thread only
+    # every switch interval (5 ms by default), so while another thread computes, every round
+    # trip costs up to that: a convoy. A shorter interval keeps the consumer moving
     # (benchmarks/investigations/gil_switch.py).
     sys.setswitchinterval(settings.gil_switch_ms / 1000)
     warn_if_redis_may_evict(_store().r, "the result store")
@@ -538,19 +508,8 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
     try:
         module, _sep, name = settings.engine_class.partition(":")
         engine_class = getattr(importlib.import_module(module), name)
-        # the other intake processes start now and import while vLLM loads; they connect once
-        # it is up (started after it, and connected in turn, they doubled a worker's start)
-        listen = None
-        if not settings.frontend and hasattr(engine_class, "listen_address"):
-            listen = engine_class.listen_address(settings)
-        if listen is not None:
-            address = engine_class.frontend_address(listen)
-            count, urgent = settings.intake_processes, settings.urgent_concurrency
-            state.intakes = Intakes(sender, count, urgent, address)
-            state.engine = engine_class(settings, listen)
-        else:
-            state.engine = engine_class(settings)
-        if getattr(state.engine, "plan", None) is not None and not settings.frontend:
+        state.engine = _engine(engine_class, sender)
+        if getattr(state.engine, "plan", None) is not None and not settings.urgent_of:
             metrics.report_plan(state.engine.plan)
         if hasattr(state.engine, "on_death"):
             state.engine.on_death(engine_died)
@@ -565,71 +524,82 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
         os._exit(EXIT_ENGINE)  # Celery would log a handler's exception and carry on without it
 
 
+def _engine(engine_class: Any, worker: Any) -> Any:
+    """The worker's engine: the urgent process joins the worker's engine core; the worker
+    launches it for itself and its urgent process (started now, to import while vLLM loads),
+    where this vLLM lets two clients share one core (``compat.shared_core_missing``); an
+    engine stub (``Settings.engine_class``, queue tests) gets none of that."""
+    from .vllm_ext.client import CoreAddress
+
+    if settings.engine_client:
+        return engine_class(settings, join=CoreAddress.parse(settings.engine_client))
+    if not settings.urgent_concurrency or engine_class.__module__ != "worker.engine":
+        return engine_class(settings)
+    from .vllm_ext.compat import shared_core_missing
+
+    if (reason := shared_core_missing()) is not None:
+        log.error(
+            "no urgent process: %s; urgent jobs are taken by this process alone, within its "
+            "share (docs/vllm-compat.md)", reason,
+        )  # fmt: skip
+        return engine_class(settings)
+    addresses = CoreAddress.fresh(2)
+    state.urgent = UrgentLane(worker, addresses[1])
+    return engine_class(settings, share=addresses)
+
+
 @signals.celeryd_after_setup.connect
 def _add_queues(sender: Any = None, instance: Any = None, **_: Any) -> None:
-    """Beside the queues it was started with (the shared one), each intake process consumes:
+    """Beside the queues it was started with (the shared one), the worker consumes:
 
-    - the urgent queue: urgent jobs wait for nobody's free slot but their own (``Intakes``);
-    - its engine's own queue, ``<queue>@<first process>``, where producers route jobs by prefix
-      (protocol/routing.py), except the urgent intake, which takes urgent jobs alone;
+    - the urgent queue, which its urgent process (``UrgentLane``) consumes alone;
+    - its own queue, ``<queue>@<worker>``, where producers route jobs by prefix
+      (protocol/routing.py);
     - the queue of each name it serves, ``<queue>~<name>``, where jobs naming a model wait
       while no live worker serves it (``Settings.unserved_model``).
 
     Added here, Celery's way (``celeryd_after_setup``), so that a worker started with plain
     ``celery -A worker.app worker`` consumes the queue its heartbeat advertises too."""
-    if instance is None:
+    if instance is None or settings.urgent_of:
         return
     queues = instance.app.amqp.queues
     queues.select_add(urgent_queue(settings.queue))
-    node = str(sender or instance.hostname)
-    of = settings.intake_of
-    if not of or node != intake_name(of, URGENT):
-        queues.select_add(worker_queue(settings.queue, of or node))
-        try:
-            names = [*settings.served_names(), *settings.adapters()]
-        except ValueError:  # a malformed adapter list: the engine's start says so (exit 10)
-            names = settings.served_names()
-        for name in names:
-            queues.select_add(model_queue(settings.queue, name))
-
-
-def freeze_heap() -> None:
-    """Move every object alive now out of the garbage collector's reach (``gc.freeze``), as
-    vLLM's own API server does once it has started. A process that has imported Celery, vLLM
-    and transformers and loaded a tokenizer holds hundreds of thousands of tracked objects, and
-    each collection of the oldest generation walks them all while every thread of the process
-    waits: a pause in which that process takes no job off Redis, sends none to the engine and
-    records no result (docs/benchmarks.md). Frozen, a collection walks only what was made since.
-    What is frozen lives for the process's life anyway."""
-    gc.collect()
-    gc.freeze()
+    queues.select_add(worker_queue(settings.queue, str(sender or instance.hostname)))
+    try:
+        names = [*settings.served_names(), *settings.adapters()]
+    except ValueError:  # a malformed adapter list: the engine's start says so (exit 10)
+        names = settings.served_names()
+    for name in names:
+        queues.select_add(model_queue(settings.queue, name))
 
 
 @signals.worker_ready.connect
 def _start_heartbeat(sender: Any = None, **_: Any) -> None:
     state.name = getattr(sender, "hostname", None) or f"vqueue@{socket.gethostname()}"
     state.slots = int(getattr(getattr(sender, "pool", None), "limit", 0) or 0)
-    freeze_heap()  # the engine link, the consumer and the pool's threads are up
+    from .vllm_ext.client import freeze_heap
+
+    freeze_heap()  # the engine, the consumer and the pool's threads are up
     threading.Thread(target=_heartbeat, name="vqueue-heartbeat", daemon=True).start()
     threading.Thread(target=_withdrawals, name="vqueue-withdrawals", daemon=True).start()
 
 
 @signals.worker_shutting_down.connect
-def _stop_intakes(**_: Any) -> None:
-    if state.intakes is not None:  # they finish their jobs while this process finishes its own
-        state.intakes.stop()
+def _stop_urgent(**_: Any) -> None:
+    if state.urgent is not None:  # it finishes its jobs while this process finishes its own
+        state.urgent.stop()
 
 
 @signals.worker_shutdown.connect
 def _close_engine(**_: Any) -> None:
     state.stop.set()
-    if state.intakes is not None:
-        state.intakes.stop()
-        state.intakes.wait(settings.job_timeout_s + 30)
+    if state.urgent is not None:
+        state.urgent.stop()
+        state.urgent.wait(settings.job_timeout_s + 30)
     from . import metrics
 
     shared = metrics.multiprocess_dir()
-    if not settings.intake_of and shared and os.path.basename(shared).startswith("vqueue-metrics-"):
+    if not settings.urgent_of and shared and os.path.basename(shared).startswith("vqueue-metrics-"):
         shutil.rmtree(shared, ignore_errors=True)  # `vqueue worker` made it for this run
     try:
         _store().forget_worker(state.name)
@@ -697,7 +667,7 @@ def _withdrawals() -> None:
 def _heartbeat() -> None:
     """Liveness as a Redis key with a TTL (arq's health check): gone means dead or stopped."""
     store, broker = _store(), _broker()
-    of = settings.intake_of
+    of = settings.urgent_of
     while not state.stop.is_set():
         e = state.engine
         info = {
@@ -715,14 +685,12 @@ def _heartbeat() -> None:
             "started_at": e.started_at if e else None,
             "updated_at": time.time(),
             "metrics_url": state.metrics_url,
-            # consumes <queue>@<name>: producers may route jobs to it (an intake process
-            # consumes its first process's instead)
-            "routed": not settings.intake_of,
-            # one of how many Celery processes feeding one engine; the others name the first
-            "intake_processes": max(settings.intake_processes, 1),
-            "intake_of": settings.intake_of or None,
-            # the process that takes urgent jobs beyond the worker's share (Intakes)
-            "urgent": bool(of) and state.name == intake_name(of, URGENT),
+            # consumes <queue>@<name>: producers may route jobs to it (the urgent process
+            # consumes the urgent queue alone)
+            "routed": not of,
+            # the worker whose engine this urgent process shares (UrgentLane); a registry
+            # entry with it set is a lane of that worker, not a worker of its own
+            "urgent_of": of or None,
         }
         stats = getattr(e, "stats", None)
         if stats is not None:

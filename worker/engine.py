@@ -1,9 +1,9 @@
-"""The engine host: one persistent vLLM engine per worker process, and the jobs' way into it.
+"""The engine host: one persistent vLLM engine per worker, and the jobs' way into it.
 
 Celery's threads pool runs many jobs at once; each task thread builds its prompt here (the
-tokenizer lives in the worker), hands token ids and sampling parameters to vLLM's frontend,
-which runs in a process of its own (``worker.frontend``: why), and blocks on the answer. Every
-job a worker holds is therefore inside one engine at the same time, which is what lets vLLM's
+tokenizer lives in the worker), hands token ids and sampling parameters to vLLM's own engine
+client in this process (``worker.vllm_ext.client``), and blocks on the answer. Every job a
+worker holds is therefore inside one engine at the same time, which is what lets vLLM's
 continuous batching and prefix cache do their work. The engine is built once, at worker start,
 and never per job.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -23,7 +22,6 @@ from typing import Any
 from schemas import Settings
 from schemas.results import TokenLogprob, TopLogprob
 
-from . import metrics
 from .confidence import (
     ConfidenceBoard,
     LogprobRule,
@@ -32,18 +30,11 @@ from .confidence import (
     marker_token,
     request_args,
 )
-from .frontend import (
-    EngineDead,
-    EngineError,
-    FrontendLink,
-    FrontendProcess,
-    Output,
-    connect,
-)
 from .metrics import EngineStats
 from .models import resolve_model
 from .prompts import PromptTokenizer
 from .structured import ToolCallReader
+from .vllm_ext.client import CoreAddress, EngineClient, EngineDead, EngineError, Output
 from .vllm_ext.compat import Plan
 from .vllm_ext.configure import (
     IN_ENGINE_MONITOR,
@@ -79,10 +70,10 @@ class Generation:
     completion_tokens: int
     first_token_at: float | None  # wall clock, from the engine's own request stats
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    sent_at: float | None = None  # wall clock: the prompt left for vLLM's frontend
+    sent_at: float | None = None  # wall clock: the prompt left for vLLM's loop
     submitted_at: float | None = None  # wall clock: vLLM received the prompt
     scheduled_at: float | None = None  # wall clock: the engine first scheduled it
-    finished_at: float | None = None  # wall clock: the final output reached vLLM's frontend
+    finished_at: float | None = None  # wall clock: the final output reached vLLM's front end
     preemptions: int = 0  # times the engine preempted it
     aborted: bool = False  # the confidence monitor stopped it (logprob early stop)
     confidence: Reading | None = None  # the monitor's numbers, when it watched this request
@@ -90,12 +81,18 @@ class Generation:
 
 
 class EngineHost:
-    """The worker's engine: vLLM's frontend process, the tokenizer used for prompt building,
+    """The worker's engine: vLLM's engine client, the tokenizer used for prompt building,
     prefix gating, and the bookkeeping of the requests in flight."""
 
-    def __init__(self, settings: Settings, listen: tuple[str, bytes] | None = None) -> None:
-        """``listen``: where the frontend takes the worker's other intake processes
-        (``listen_address``), which the worker starts before this returns."""
+    def __init__(
+        self,
+        settings: Settings,
+        share: list[CoreAddress] | None = None,
+        join: CoreAddress | None = None,
+    ) -> None:
+        """``share``: launch the engine core for these clients, this process the first of them
+        (the urgent process joins as another, ``join``); neither: vLLM's client launches a core
+        of its own (``worker.vllm_ext.client``)."""
         self.settings = settings
         check_engine_settings(settings, has_cuda(), gpu_count())
         self.model_path = resolve_model(settings.model)
@@ -115,22 +112,16 @@ class EngineHost:
         self.jobs_done = 0
         self.started_at = time.time()
         self._nonce = os.urandom(4).hex()
-        self.stats: EngineStats | None = EngineStats()
-        self.frontend: FrontendLink
-        if settings.frontend:  # an intake process: the engine is the first process's
-            address, _, key = settings.frontend.rpartition("#")
-            self.frontend = connect(address, bytes.fromhex(key))
-            self.stats = None  # the engine's numbers are reported once, by that process
-        else:
-            self.frontend = FrontendProcess(settings, self.model_path, self.stats.apply, listen)
-            metrics.forward_engine_metrics(self.frontend.metrics_text)
-        self.plan: Plan | None = self.frontend.plan
-        self.tokenizer = self.frontend.tokenizer
+        # the engine's numbers are reported once, by the process that launched its core
+        self.stats: EngineStats | None = EngineStats() if join is None else None
+        self.client = EngineClient(settings, self.model_path, self.stats, share, join)
+        self.plan: Plan | None = self.client.plan
+        self.tokenizer = self.client.tokenizer
         self.prompts = PromptTokenizer(self.tokenizer, self._nonce, settings.tokenizer_threads)
-        # Whether requests leave their text to this process (``detokenize=False``). vLLM's
-        # frontend otherwise detokenizes every running request at every engine step, on the one
-        # loop that also takes every new request in, while the worker's intake processes have
-        # CPU to spare (docs/benchmarks.md: a third of that loop's time on short jobs).
+        # Whether requests leave their text to the task threads (``detokenize=False``). vLLM's
+        # front end otherwise detokenizes every running request at every engine step, on the
+        # one loop that also takes every new request in; a task thread decodes its own answer
+        # once, at its end, with the GIL released (``PromptTokenizer.output_text``).
         self.decodes_outputs = self.prompts.decodes_outputs
         # logprob early stop: the monitor in the engine reports to this board (worker/confidence)
         in_engine = self.plan is not None and self.plan.monitor in IN_ENGINE_MONITOR
@@ -209,9 +200,7 @@ class EngineHost:
         order = 9 - priority if self.settings.scheduling_policy == "priority" else 0
         sent_at = time.time()
         try:
-            future = self.frontend.submit(
-                prompt_ids, params, order, first_of_group, rule, salt, lora
-            )
+            future = self.client.submit(prompt_ids, params, order, first_of_group, rule, salt, lora)
         except BaseException:
             if first_of_group is not None:
                 first_of_group.set()  # never leave the group waiting
@@ -224,7 +213,7 @@ class EngineHost:
         try:
             out = future.result(timeout=limit)
         except concurrent.futures.TimeoutError:
-            future.cancel()  # the frontend aborts the request in the engine
+            future.cancel()  # the client aborts the request in the engine
             raise JobTimeout(f"still generating after {limit:g}s; aborted") from None
         except concurrent.futures.CancelledError:
             with self._lock:
@@ -324,27 +313,13 @@ class EngineHost:
         event.wait(min(limit, self.settings.prefix_gate_timeout_s))
         return None
 
-    @staticmethod
-    def listen_address(settings: Settings) -> tuple[str, bytes] | None:
-        """A fresh Unix socket and key for the frontend to take the worker's other intake
-        processes on (``app.Intakes``), when it has any; ``frontend_address`` spells it."""
-        if not (settings.intake_processes > 1 or settings.urgent_concurrency):
-            return None
-        sock = f"vqueue-frontend-{os.getpid()}-{os.urandom(4).hex()}.sock"
-        return os.path.join(tempfile.gettempdir(), sock), os.urandom(16)
-
-    @staticmethod
-    def frontend_address(listen: tuple[str, bytes]) -> str:
-        """How an intake process is told where its engine is (``Settings.frontend``)."""
-        return f"{listen[0]}#{listen[1].hex()}"
-
     def on_death(self, callback: Any) -> None:
         """Call ``callback()`` once if the engine dies, with or without a job running."""
-        self.frontend.on_death(callback)
+        self.client.on_death(callback)
 
     def close(self) -> None:
         try:
-            self.frontend.close()
+            self.client.close()
         finally:
             if self.board is not None:
                 self.board.close()

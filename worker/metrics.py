@@ -2,11 +2,11 @@
 
 Job metrics are recorded by the task after each result is stored. Engine metrics come from a vLLM
 stat logger (``EngineStats``), which vLLM calls with the scheduler's own counters after every
-engine step, so they cost nothing per token and need no polling. vLLM runs in the worker's
-frontend process, which sends those numbers every second; its own ``vllm:*`` metrics are fetched
-from there at each scrape and served on the same port. A worker's intake processes (several
-Celery processes feeding one engine) share their job metrics through prometheus_client's
-multiprocess mode, and its first process serves the sum (``serve``).
+engine step, so they cost nothing per token and need no polling. vLLM's client runs in the
+worker's process beside Celery, and registers its own ``vllm:*`` metrics there, served on the same
+port. A worker and its urgent process share their job metrics through prometheus_client's
+multiprocess mode, and the worker serves the sum (``serve``); vLLM's own metrics follow that
+mode as they do under ``vllm serve --api-server-count``.
 
 Names follow Prometheus conventions: ``vqueue_`` prefix, base units (seconds), ``_total`` for
 counters, ratios in 0..1; rates (tokens/s, prefix-cache hit rate) are left to PromQL.
@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import (
@@ -121,8 +121,8 @@ CACHE_LOOKUPS = Counter(
 CACHE_STORED_BYTES = Counter(
     "vqueue_result_cache_stored_bytes_total", "Bytes of answers stored in the result cache"
 )
-# With several intake processes (``serve``): in flight sums the live ones; the engine's gauges
-# are set by the first process alone, the others hold 0.
+# With the urgent process (``serve``): in flight sums both; the engine's gauges are set by the
+# worker alone, the urgent process holds 0.
 IN_FLIGHT = Gauge(
     "vqueue_jobs_in_flight", "Jobs inside the engine now", multiprocess_mode="livesum"
 )
@@ -172,8 +172,8 @@ ENGINE_DEGRADED = Gauge(
 )
 
 
-# what the /metrics endpoint serves: this process's metrics, or (with several intake processes)
-# all of the worker's, which prometheus_client's multiprocess mode keeps in PROMETHEUS_MULTIPROC_DIR
+# what the /metrics endpoint serves: this process's metrics, or (with the urgent process) both
+# processes', which prometheus_client's multiprocess mode keeps in PROMETHEUS_MULTIPROC_DIR
 _exposed: CollectorRegistry = REGISTRY
 
 
@@ -183,7 +183,7 @@ def multiprocess_dir() -> str | None:
 
 def serve(port: int, host: str = "0.0.0.0") -> str | None:
     """Start the /metrics endpoint; a taken port is logged, not fatal: the jobs matter more.
-    A worker with several intake processes serves them all from its first one's port."""
+    A worker with an urgent process serves both from its own port."""
     global _exposed
     if port <= 0:
         return None
@@ -201,38 +201,8 @@ def serve(port: int, host: str = "0.0.0.0") -> str | None:
     return f"http://{host}:{port}/metrics"
 
 
-class _EngineMetrics:
-    """vLLM's own ``vllm:*`` metrics, fetched from the frontend process (vLLM registers them
-    where it runs; ``worker.frontend``) at most once every ``fresh_s``: rendering them takes
-    the frontend's loop, which serves the engine, and scrapes can come as often as anyone asks."""
-
-    def __init__(self, fetch: Callable[[], str | None], fresh_s: float = 1.0) -> None:
-        self.fetch, self.fresh_s = fetch, fresh_s
-        self._text: str | None = None
-        self._at = float("-inf")
-        self._lock = threading.Lock()
-
-    def describe(self) -> list[Any]:
-        return []  # names unknown until vLLM is up; nothing of ours shares the vllm: prefix
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with self._lock:
-            if time.monotonic() - self._at >= self.fresh_s:
-                self._text, self._at = self.fetch(), time.monotonic()
-            text = self._text
-        for family in text_string_to_metric_families(text or ""):
-            if family.name.startswith("vllm:"):
-                yield family
-
-
-def forward_engine_metrics(fetch: Callable[[], str | None]) -> None:
-    _exposed.register(_EngineMetrics(fetch))
-
-
 def process_gone(pid: int) -> None:
-    """An intake process ended: its live gauges (jobs in flight) no longer count."""
+    """The urgent process ended: its live gauges (jobs in flight) no longer count."""
     if multiprocess_dir():
         from prometheus_client import multiprocess
 
@@ -247,7 +217,7 @@ def observe(result: JobResult) -> None:
 def observe_many(results: Iterable[JobResult]) -> None:
     """The job metrics of results just recorded (a pack's, together): each series moves once
     for all of them. A move takes the one lock of its process's values and, under multiprocess
-    mode (which an urgent lane or a second intake process turns on), writes to a mapped file;
+    mode (which the urgent process turns on), writes to a mapped file;
     about nine moves a job otherwise."""
     tally = _Tally()
     for result in results:
@@ -367,10 +337,9 @@ class EngineStats:
     """A vLLM stat logger (``AsyncLLM(stat_loggers=[EngineStats])``): the scheduler's numbers
     after every step, into the gauges above and into totals the heartbeat reads.
 
-    vLLM calls ``record`` on its output-handling task in the frontend process, which sends
-    ``totals`` every second; the worker's copy takes them in with ``apply``, and its heartbeat
-    thread reads them. Plain int/float assignments are atomic under the GIL, and the rate is
-    computed from two reads.
+    vLLM calls ``record`` on its output-handling task, on the engine client's loop in the
+    worker's process, and the heartbeat thread reads the totals. Plain int/float assignments
+    are atomic under the GIL, and the rate is computed from two reads.
     """
 
     # vLLM only checks for these methods (StatLoggerBase is an ABC we need not inherit from,
@@ -416,37 +385,6 @@ class EngineStats:
                 ENGINE_GENERATION_TOKENS.inc(gen)
             if prompt:
                 ENGINE_PROMPT_TOKENS.inc(prompt)
-
-    def totals(self) -> dict[str, Any]:
-        """What the frontend process sends the worker every second (``apply`` there)."""
-        return {
-            "running": self.running,
-            "waiting": self.waiting,
-            "kv_cache_usage": self.kv_cache_usage,
-            "generation_tokens": self.generation_tokens,
-            "prompt_tokens": self.prompt_tokens,
-            "prefix_queries": self.prefix_queries,
-            "prefix_hits": self.prefix_hits,
-        }
-
-    def apply(self, totals: dict[str, Any]) -> None:
-        """The worker's side of ``totals``: vLLM runs in the frontend process, these gauges and
-        counters are served from the worker's."""
-        self.running, self.waiting = totals["running"], totals["waiting"]
-        self.kv_cache_usage = totals["kv_cache_usage"]
-        ENGINE_RUNNING.set(self.running)
-        ENGINE_WAITING.set(self.waiting)
-        KV_CACHE_USAGE.set(self.kv_cache_usage)
-        for name, counter in (
-            ("generation_tokens", ENGINE_GENERATION_TOKENS),
-            ("prompt_tokens", ENGINE_PROMPT_TOKENS),
-            ("prefix_queries", PREFIX_QUERIES),
-            ("prefix_hits", PREFIX_HITS),
-        ):
-            grown = totals[name] - getattr(self, name)
-            if grown > 0:
-                counter.inc(grown)
-                setattr(self, name, totals[name])
 
     def log_engine_initialized(self) -> None:
         pass

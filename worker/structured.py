@@ -178,7 +178,7 @@ class GrammarCheck:
     def warm(self) -> None:
         """Build llguidance's view of the tokenizer now, while the worker starts. It takes
         about a second for a large vocabulary and holds the GIL throughout: built by the first
-        schema job instead, it would stall every thread of that intake process (its consumer,
+        schema job instead, it would stall every thread of that worker process (its consumer,
         its answers from the engine) just as the first JSON batch arrives."""
         if self.tokenizer is None:
             return

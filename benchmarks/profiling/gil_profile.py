@@ -4,10 +4,9 @@
 
 With ``--gil`` a sample is taken only from the thread holding its process's GIL, so a process's
 samples over the recording's ``rate x duration`` say how busy its interpreter was, and its top
-stacks say with what. ``benchmarks/investigations/gpu_intake.py --profile`` records one on the
-H200, and a second of one intake process with ``--idle --threads`` (every thread, waiting included):
-``--by-thread`` sums that one by thread, which says where Celery's consumer thread spends its
-wall clock.
+stacks say with what. A recording with ``--idle --threads`` (every thread, waiting included) of
+one worker process is summed by thread with ``--by-thread``, which says where Celery's consumer
+thread and vLLM's loop thread spend their wall clock.
 """
 
 from __future__ import annotations

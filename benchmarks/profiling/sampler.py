@@ -1,5 +1,5 @@
-"""A sampling profiler for every process of a benchmark run: the worker, its intake processes,
-vLLM's frontend and engine core, and the raw engines beside them.
+"""A sampling profiler for every process of a benchmark run: the worker, its urgent process,
+vLLM's engine core, and the raw engines beside them.
 
 py-spy cannot attach on the lent GPU machine, so each process samples itself: a thread reads
 ``sys._current_frames()`` every ``VQUEUE_BENCH_PROFILE_MS`` (default 10 ms) while the file
@@ -50,7 +50,7 @@ def _forked() -> None:
 
 
 def _title() -> str:
-    try:  # setproctitle rewrites argv: vLLM's EngineCore, vqueue::frontend
+    try:  # setproctitle rewrites argv: vLLM's EngineCore
         argv = Path("/proc/self/cmdline").read_bytes().split(b"\0")
         words = [w.decode(errors="replace") for w in argv if w][:4]
     except OSError:

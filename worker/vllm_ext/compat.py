@@ -44,6 +44,9 @@ VERIFIED: dict[str, tuple[str, ...]] = {
     "urgent-preempt": ("0.26", "0.32"),
     # vLLM's loop check answered from each request's last tokens' earlier places (private)
     "loop-check": ("0.26", "0.32"),
+    # two Celery processes as clients of one engine core, launched by the worker (public
+    # arguments of AsyncLLM; the launch itself is vLLM's, whose signature moved: private)
+    "shared-core": ("0.26", "0.32"),
 }
 
 _G = "vllm.v1.structured_output.backend_guidance"
@@ -95,6 +98,11 @@ SYMBOLS: dict[str, tuple[tuple[str, str], ...]] = {
         (_U, "_has_repeating_pattern"),
         (_U, "check_stop"),
     ),
+    "shared-core": (
+        ("vllm.v1.engine.utils", "launch_core_engines"),
+        ("vllm.v1.engine.core_client", "MPClient.__init__"),
+        ("vllm.v1.engine.async_llm", "AsyncLLM.from_vllm_config"),
+    ),
 }
 
 # release -> (module:qualname) -> fingerprint (``fingerprint``) of the verified source.
@@ -119,6 +127,9 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         f"{_U}:check_sequence_repetition": "a4c065ad9237",
         f"{_U}:_has_repeating_pattern": "9fe2473381e4",
         f"{_U}:check_stop": "b8d84af7275a",
+        "vllm.v1.engine.utils:launch_core_engines": "7d17b9e2cf74",
+        "vllm.v1.engine.core_client:MPClient.__init__": "d4497772740d",
+        "vllm.v1.engine.async_llm:AsyncLLM.from_vllm_config": "8b7a8752a5e7",
     },
     "0.32": {
         "vllm.v1.sample.logits_processor.interface:BatchUpdate": "84a54c324cfa",
@@ -139,6 +150,9 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         f"{_U}:check_sequence_repetition": "a4c065ad9237",
         f"{_U}:_has_repeating_pattern": "9fe2473381e4",
         f"{_U}:check_stop": "ee9b11e656c8",
+        "vllm.v1.engine.utils:launch_core_engines": "d996e5c4621f",
+        "vllm.v1.engine.core_client:MPClient.__init__": "522d387e30e4",
+        "vllm.v1.engine.async_llm:AsyncLLM.from_vllm_config": "8b7a8752a5e7",
     },
 }
 
@@ -324,3 +338,36 @@ def log_missing(p: Plan, where: logging.Logger = log) -> None:
         where.error(
             "vqueue optimization %s is not installed: %s; %s", name, reason, fallbacks[name]
         )
+
+
+def shared_core_missing(version: str | None = None) -> str | None:
+    """Why two Celery processes cannot share this vLLM's engine core (None: they can). Where
+    they cannot, the worker runs one client and takes its urgent jobs itself, and logs this
+    once as an ERROR (``worker.app.UrgentLane``)."""
+    return why_not("shared-core", version if version is not None else vllm_version())
+
+
+def launch_core(config: Any, clients: list[Any]) -> Any:
+    """Launch vLLM's engine core for ``clients`` (``client.CoreAddress``, one pair of ZMQ
+    addresses each) and return vLLM's manager of its processes, whose ``shutdown`` stops it.
+    Blocks until the core is up. What ``vllm serve --api-server-count N`` does before it starts
+    its API servers; ``launch_core_engines`` takes the client count and yields a tuple on 0.26,
+    and yields an object on 0.32 (``VERIFIED["shared-core"]``)."""
+    from vllm.v1.engine.utils import EngineZmqAddresses, launch_core_engines
+    from vllm.v1.executor import Executor
+
+    reason = shared_core_missing()
+    if reason is not None:
+        raise RuntimeError(f"a shared engine core cannot be launched: {reason}")
+    addresses = EngineZmqAddresses(
+        inputs=[c.input for c in clients], outputs=[c.output for c in clients]
+    )
+    executor = Executor.get_class(config)
+    launch: Any = launch_core_engines
+    if release(vllm_version()) == "0.26":
+        with launch(config, executor, True, addresses, len(clients)) as launched:
+            pass
+        return launched[0]
+    with launch(config, executor, True, addresses) as launched:
+        pass
+    return launched.engine_manager

@@ -251,18 +251,6 @@ def gpu_count() -> int:
         return 0
 
 
-def cores_per_engine(settings: Settings) -> int:
-    """The CPU cores this worker's engine may count on: the host's, shared out over its GPUs
-    (one worker per GPU, or per ``tensor_parallel_size`` GPUs). The NVIDIA driver lists every
-    GPU of the host under /proc, whatever ``CUDA_VISIBLE_DEVICES`` hides."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    try:
-        gpus = len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        gpus = 1
-    return max(1, (cores or 1) * max(1, settings.tensor_parallel_size) // max(1, gpus))
-
-
 def has_cuda() -> bool:
     try:
         import torch
