@@ -309,7 +309,8 @@ class Settings(BaseSettings):
     # consumer spends about the same CPU on a message whatever it carries, so packs take a
     # bulk batch past one consumer's messages a second (docs/reliability.md "Big batches").
     # A worker still runs, and takes in, about its concurrency in jobs (worker/tasks.py counts
-    # its prefetch in jobs). 1: one job a message.
+    # its prefetch in jobs). One Celery process takes a GPU's bulk jobs in, and at one job a
+    # message it falls behind a GPU's short jobs (docs/benchmarks.md). 1: one job a message.
     jobs_per_message: int = Field(default=1, ge=1, le=256)
     # a canary (`vqueue submit --canary 2%`) runs at least this many lines (all, if fewer)
     canary_min_jobs: int = Field(default=10, ge=1)
