@@ -352,6 +352,7 @@ class Client:
             wait=s.unserved_model == "wait",
         )  # fmt: skip
         self._window, self._window_at = FEED_WINDOW_MIN, -FEED_WINDOW_REFRESH_S
+        self._per, self._per_at = self.settings.jobs_per_message, -FEED_WINDOW_REFRESH_S
 
     def batch(self, batch_id: str) -> Batch:
         return Batch(self, batch_id)
@@ -577,7 +578,7 @@ class Client:
         from protocol.routing import urgent_queue
         from protocol.wire import frames
 
-        urgent, per = urgent_queue(self.settings.queue), self.settings.jobs_per_message
+        urgent, per = urgent_queue(self.settings.queue), self.jobs_per_message()
         out: list[Frame] = []
         for queue, group in self._route(envelopes):
             out += frames(group, queue, 1 if queue == urgent else per)
@@ -587,6 +588,24 @@ class Client:
         from protocol.wire import push
 
         push(self.broker, self._frames(envelopes))
+
+    def jobs_per_message(self) -> int:
+        """Jobs a bulk message carries: ``Settings.jobs_per_message``, at most half the least
+        concurrency among the live workers of this queue. A worker holds a pack whole, so one
+        larger than its share would keep jobs waiting on a busy worker that the rest of the
+        fleet could run, and a worker killed would hand back more than it was running."""
+        now = time.monotonic()
+        if now - self._per_at >= FEED_WINDOW_REFRESH_S:
+            self._per_at = now
+            shares = [
+                int(w.get("concurrency") or 0)
+                for w in self.store.workers()
+                if w.get("queue") == self.settings.queue
+            ]
+            least = min((c for c in shares if c > 0), default=0)
+            per = self.settings.jobs_per_message
+            self._per = max(1, min(per, least // 2)) if least else per
+        return self._per
 
     def window(self) -> int:
         """Jobs of one batch that may be in Redis at once (``Settings.feed_window``); by

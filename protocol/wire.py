@@ -75,7 +75,7 @@ def message_frame(envelopes: list[Envelope], queue: str) -> tuple[str, str, str]
     args = f"[{_SLOT}]"
     if n > 1:  # Celery allows one id per message: the first job's, marked as a pack's
         task_id += f"+{n - 1}"
-        what = f"{n} {job.type} jobs ids={job.id}..{envelopes[-1].job.id}"
+        what = f"{n} {job.type} jobs ids={pack_ids(envelopes)}"
         args = f"[[{_SLOT}]]"
     step = redis_priority(job.priority)
     headers: dict[str, Any] = {
@@ -117,6 +117,18 @@ def message_frame(envelopes: list[Envelope], queue: str) -> tuple[str, str, str]
     }
     head, tail = json.dumps(message, separators=(",", ":")).split(_SLOT)
     return queue_key(queue, step), head, tail
+
+
+def pack_ids(envelopes: list[Envelope], room: int = 160) -> str:
+    """A pack's job ids as Flower shows them in its args: all that fit in ``room`` characters,
+    then how many more (a revoke names the rest: ``worker.tasks`` reads the pack itself)."""
+    out = ""
+    for i, env in enumerate(envelopes):
+        piece = env.job.id if not out else f",{env.job.id}"
+        if len(out) + len(piece) > room:
+            return f"{out},+{len(envelopes) - i} more"
+        out += piece
+    return out
 
 
 def frames(envelopes: list[Envelope], queue: str, per_message: int = 1) -> list[Frame]:
@@ -164,10 +176,36 @@ def send_envelopes(broker: redis.Redis, envelopes: list[Envelope], queue: str) -
     push(broker, frames(envelopes, queue))
 
 
+# Jobs in a queue's lists: each envelope of a message's body opens with {\"job\": (the
+# envelope's JSON inside the body's JSON string; the same text inside a job's own strings is
+# escaped once more, so it cannot match), and a message without one (another sender's) is one
+# job. A list longer than ARGV[1] messages is counted from its oldest ones, scaled to its
+# length, so that a deep queue costs Redis a bounded read.
+_DEPTH = r"""
+local total = 0
+for _, key in ipairs(KEYS) do
+  local n = redis.call('LLEN', key)
+  if n > 0 then
+    local seen = math.min(n, tonumber(ARGV[1]))
+    local jobs = 0
+    for _, m in ipairs(redis.call('LRANGE', key, -seen, -1)) do
+      local k, at = 0, 1
+      while true do
+        local s = string.find(m, '{\\"job\\":', at, true)
+        if not s then break end
+        k, at = k + 1, s + 8
+      end
+      jobs = jobs + math.max(k, 1)
+    end
+    total = total + jobs * n / seen
+  end
+end
+return math.floor(total + 0.5)
+"""
+DEPTH_READ = 256  # messages a list read at most; a longer one's count is an estimate
+
+
 def queue_depth(client: redis.Redis, queue: str) -> int:
-    """Jobs waiting in ``queue`` (not those a worker has reserved)."""
-    pipe = client.pipeline(transaction=False)
-    for key in queue_keys(queue):
-        pipe.llen(key)
-    counts: list[Any] = pipe.execute()
-    return int(sum(counts))
+    """Jobs waiting in ``queue`` (not those a worker has reserved), packs counted by their
+    jobs: exact up to ``DEPTH_READ`` messages a priority list, then estimated."""
+    return int(client.eval(_DEPTH, len(PRIORITY_STEPS), *queue_keys(queue), DEPTH_READ))

@@ -304,14 +304,14 @@ class Settings(BaseSettings):
     # Redis (a feed whose process died is resumed by submitting the same input again with the
     # batch id). 0: four times what the live workers hold in flight, at least 10,000.
     feed_window: int = Field(default=0, ge=0)
-    # jobs one Celery message carries: a producer packs a batch's non-urgent jobs of one type
-    # and priority this many to a message, and a worker runs a pack's jobs at once. Celery's
-    # consumer spends about the same CPU on a message whatever it carries, so packs take a
-    # bulk batch past one consumer's messages a second (docs/reliability.md "Big batches").
-    # A worker still runs, and takes in, about its concurrency in jobs (worker/tasks.py counts
-    # its prefetch in jobs). One Celery process takes a GPU's bulk jobs in, and at one job a
-    # message it falls behind a GPU's short jobs (docs/benchmarks.md). 1: one job a message.
-    jobs_per_message: int = Field(default=1, ge=1, le=256)
+    # jobs one Celery message carries at most: a producer packs a batch's non-urgent jobs of
+    # one type and priority up to this many to a message, never more than half the least
+    # concurrency among the queue's live workers (``Client.jobs_per_message``), and a worker
+    # runs a pack's jobs at once; one job is a pack of one. Celery's consumer spends about the
+    # same CPU on a message whatever it carries, so packs take a bulk batch past one
+    # consumer's messages a second (docs/reliability.md "Big batches"). A worker still runs,
+    # and takes in, about its concurrency in jobs (worker/tasks.py counts its prefetch in jobs).
+    jobs_per_message: int = Field(default=16, ge=1, le=256)
     # a canary (`vqueue submit --canary 2%`) runs at least this many lines (all, if fewer)
     canary_min_jobs: int = Field(default=10, ge=1)
     # a canary fails, and its batch pauses, when more of its jobs than this share failed,

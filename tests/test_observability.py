@@ -135,6 +135,35 @@ def test_flower_api_lists_jobs_readably(flower: str, worker: WorkerProc, client:
     assert denied.value.code == 401
 
 
+def test_a_failed_job_is_a_failure_in_flower(flower: str, client: Client) -> None:
+    # Given a job that fails at the worker (its text too long, to be refused),
+    # alone in its message, and the same beside a job that completes, in one pack
+    fail = {"type": "summarize", "text": "word " * 4000, "truncation": "reject"}
+    alone = client.submit_many([{**fail, "id": "fl-fail"}])
+    packed = client.submit_many(
+        [{**fail, "id": "fl-fail"}, {"id": "fl-ok", "type": "summarize", "text": "Hi."}]
+    )
+    assert alone.wait(timeout=300).failed == 1 and packed.wait(timeout=300).failed == 1
+    (result,) = alone.results(timeout=60)
+    why = result.error.type if result.error else "?"  # past the input limit, or the context
+
+    # When Flower is asked for the failed tasks
+    def failed() -> dict[str, Any] | None:
+        tasks = _get_json(f"{flower}/api/tasks?state=FAILURE&limit=1000", FLOWER_AUTH) or {}
+        ids = (f"{alone.id}:fl-fail", f"{packed.id}:fl-fail+1")
+        return tasks if all(i in tasks for i in ids) else None
+
+    tasks = wait_for(failed, 60, "Flower to list the failed jobs as FAILURE")
+
+    # Then both messages are there, each naming its failed job and why; the pack names the
+    # jobs it carried in its args
+    one = tasks[f"{alone.id}:fl-fail"]
+    assert f"'1 job(s) failed: fl-fail ({why})'" in one["exception"], one
+    pack = tasks[f"{packed.id}:fl-fail+1"]
+    assert f"1 of 2 job(s) failed: fl-fail ({why})" in pack["exception"], pack
+    assert "ids=fl-fail,fl-ok" in pack["args"]
+
+
 def test_flower_tasks_page_in_chromium(flower: str, client: Client) -> None:
     # Given Debian's Chromium (CI installs it; missing, this fails in CI) and a finished batch
     require("chromium")

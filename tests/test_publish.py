@@ -232,7 +232,7 @@ def test_a_batch_reaches_the_queue_while_it_is_still_being_submitted(
 ) -> None:
     # Given a producer handed 2,000 jobs one at a time (a big file read as it goes)
     from producer import Client
-    from protocol.wire import queue_keys
+    from protocol.wire import queue_depth, queue_keys
 
     queue = f"vqtest-{RUN}-stream"
     client = Client(make_settings(queue))
@@ -242,7 +242,7 @@ def test_a_batch_reaches_the_queue_while_it_is_still_being_submitted(
     def jobs():  # type: ignore[no-untyped-def]
         for i in range(2000):
             if i == 100:  # what a worker could already take
-                waiting_at.append(sum(redis_client.llen(k) for k in lists))
+                waiting_at.append(queue_depth(redis_client, queue))
             yield {"id": f"j{i}", "type": "summarize", "text": f"Text {i}."}
 
     # When they are submitted
@@ -250,7 +250,7 @@ def test_a_batch_reaches_the_queue_while_it_is_still_being_submitted(
 
     # Then the first jobs were in the queue before the 100th was even read, and all arrive
     assert waiting_at[0] >= 32, waiting_at
-    assert sum(redis_client.llen(k) for k in lists) == 2000
+    assert queue_depth(redis_client, queue) == 2000
     assert batch.status().total == 2000
     redis_client.delete(*lists)
 
@@ -258,7 +258,7 @@ def test_a_batch_reaches_the_queue_while_it_is_still_being_submitted(
 def test_a_resubmitted_input_sends_only_what_is_not_queued_yet(redis_client: redis.Redis) -> None:
     # Given a batch of 10 jobs in the queue, no worker taking them
     from producer import Client
-    from protocol.wire import queue_keys
+    from protocol.wire import queue_depth, queue_keys
 
     queue = f"vqtest-{RUN}-again"
     client = Client(make_settings(queue))
@@ -274,11 +274,11 @@ def test_a_resubmitted_input_sends_only_what_is_not_queued_yet(redis_client: red
         # Then only the 2 new jobs are sent: the 10 are queued already, and running them twice
         # at once would waste the work
         assert (again.queued_before, again.skipped) == (10, 0)
-        assert sum(redis_client.llen(k) for k in lists) == 12
+        assert queue_depth(redis_client, queue) == 12
         assert again.status().total == 12
         # while jobs known to be lost on the way are sent again, whole
         assert client.resend(jobs(12), "again") == 12
-        assert sum(redis_client.llen(k) for k in lists) == 24
+        assert queue_depth(redis_client, queue) == 24
     finally:
         redis_client.delete(*lists)
         client.store.delete("again")

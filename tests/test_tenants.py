@@ -826,13 +826,15 @@ def test_a_feed_stops_when_its_batch_leaves_redis(procs: Procs, tmp_path: Path) 
     with open(path, "rb") as fh:
         f = sdk.files.create(file=fh, purpose="batch")
     sdk.batches.create(input_file_id=f.id, endpoint="/v1/vqueue/jobs", completion_window="24h")
-    wait_for(lambda: r.llen("feed:9") == 32, 60, "the feed's first chunk in the queue")
+    from protocol.wire import queue_depth  # jobs, a pack counted by what it carries
+
+    wait_for(lambda: queue_depth(r, "feed") == 32, 60, "the feed's first chunk in the queue")
     # When Redis is flushed under it, which also makes room in the queue
     r.flushall()
     # Then the feed sees its batch gone and stops, having queued at most the chunk it held,
     # whether it learns of it between two lines or while it waits for room
     wait_for(lambda: "left Redis while it was fed" in log.read_text(), 30, "the feed to stop")
-    assert r.llen("feed:9") <= 50
+    assert queue_depth(r, "feed") <= 50
 
 
 def test_expiry_and_cancel_end_their_batches_with_no_worker(procs: Procs, tmp_path: Path) -> None:

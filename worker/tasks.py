@@ -16,6 +16,7 @@ job instead of looping.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import re
@@ -133,6 +134,8 @@ TRANSIENT_REDIS = (
 
 
 _permits: threading.BoundedSemaphore | None = None
+# how often a pack's thread, waiting for its next job's permit, looks for a permit again
+PERMIT_POLL_S = 0.05
 _pack_pool: ThreadPoolExecutor | None = None
 
 
@@ -208,22 +211,43 @@ class Delivery(NamedTuple):
 
 
 def run_pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
-    """A pack's jobs (``Settings.jobs_per_message``), each ending as a message of its own would
-    (``run``), with a round trip to Redis for the pack's starts and one for each group of
-    results that ends together, not two for every job. Each generation runs at once in a
-    thread of its own with a permit. The pack is acknowledged once every job has ended; if any
-    job was handed back (a dead engine, Redis gone), the whole pack is, once the rest have
-    ended: their results are stored, so its next delivery skips them."""
+    """A message's jobs: one, or a pack (``Settings.jobs_per_message``), the only task path.
+    One round trip to Redis starts them all and one records each group of results that ends
+    together, whatever the pack's size. Each generation runs at once in a thread of its own
+    with a permit; a pack of one, in the message's own thread. The message is acknowledged
+    once every job has ended; if any job was handed back (a dead engine, Redis gone), the
+    whole pack is, once the rest have ended: their results are stored, so its next delivery
+    skips them."""
     try:
-        return _pack(Delivery.of(task), payloads)
+        summary, ends = _pack(Delivery.of(task), payloads)
     except TRANSIENT_REDIS as exc:  # before any job ran
         raise _handed_back(exc) from None
     finally:  # what its arrival took of the prefetch (``_received``)
         if len(payloads) > 1:
             _prefetch.give_back(len(payloads))
+    if failed := [e for e in ends if e["status"] == "failed"]:
+        raise JobsFailed.of(failed, len(payloads))
+    return ends[0] if len(payloads) == 1 and ends else summary
 
 
-def _pack(who: Delivery, payloads: list[Any]) -> dict[str, Any]:
+class JobsFailed(Exception):
+    """A message that ended with a failed job: every job has its result and the message is
+    acknowledged (``task_acks_on_failure_or_timeout``), but Celery's events, and so Flower,
+    show it as FAILURE with each failed job's id and reason, not as a green SUCCESS. The
+    tasks declare it (``throws``): Celery logs it as an expected error, one line, no trace."""
+
+    SHOWN = 5  # failed jobs named in the message; the rest are counted
+
+    @classmethod
+    def of(cls, failed: list[dict[str, Any]], jobs: int) -> JobsFailed:
+        # one plain message argument: Celery pickles the exception for its events
+        named = ", ".join(f"{e['id']} ({e.get('error', 'failed')})" for e in failed[: cls.SHOWN])
+        more = f" and {len(failed) - cls.SHOWN} more" if len(failed) > cls.SHOWN else ""
+        of = f" of {jobs}" if jobs > 1 else ""
+        return cls(f"{len(failed)}{of} job(s) failed: {named}{more}")
+
+
+def _pack(who: Delivery, payloads: list[Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     global _pack_pool
     if _pack_pool is None:  # threads start as jobs need them; permits bound how many run
         with _lock:
@@ -231,9 +255,11 @@ def _pack(who: Delivery, payloads: list[Any]) -> dict[str, Any]:
                 state.slots or settings.worker_concurrency(), "vqueue-pack"
             )
     summary: dict[str, Any] = {"jobs": len(payloads)}
+    ends: list[dict[str, Any]] = []  # each job's own summary
 
-    def count(status: str) -> None:
-        summary[status] = summary.get(status, 0) + 1
+    def count(end: dict[str, Any]) -> None:
+        ends.append(end)
+        summary[end["status"]] = summary.get(end["status"], 0) + 1
 
     envs = [(p, _parsed(who, p)) for p in payloads]
     ready = [(p, e) for p, e in envs if isinstance(e, Envelope)]
@@ -259,31 +285,36 @@ def _pack(who: Delivery, payloads: list[Any]) -> dict[str, Any]:
             permits().release()
         ended.put((payload, outcome))
 
-    running = 0
+    to_run: list[tuple[dict[str, Any], Envelope, int]] = []
     handed_back: BaseException | None = None  # raised once every job that runs has ended
     for (payload, env), start in zip(ready, started, strict=True):
         try:
-            if isinstance(start, RedisError):  # this job's own answer: as ``run`` takes it
+            if isinstance(start, RedisError):  # this job's own answer, not the pack's
                 raise start
             step = _admitted(who, payload, env, start)
         except TRANSIENT_REDIS as exc:
             handed_back = handed_back or _handed_back(exc)
             continue
         except RedisError as exc:  # retrying cannot fix it
-            count(_unrecordable(who, payload, exc)["status"])
+            count(_unrecordable(who, payload, exc))
             continue
         if isinstance(step, dict):
-            count(step["status"])
+            count(step)
         elif step is not None:
             results.append((payload, step))
         else:
-            permits().acquire()
-            _pack_pool.submit(generate, payload, env, start[1])
-            running += 1
+            to_run.append((payload, env, start[1]))
     # counted by the pack's thread, once for the jobs that start and once for each group that
     # ends, not in every generation's thread: each update takes the one lock that
     # prometheus_client's multiprocess mode keeps for all of a process's values
-    metrics.IN_FLIGHT.inc(running)
+    # Each job starts once it has a permit (``permits``: the process's jobs at once, whatever
+    # their messages); while some of the pack wait for one, the pack's thread records what has
+    # ended meanwhile, so that a job that ended is never held back by one still to start (a
+    # worker killed then would run it again).
+    waiting = collections.deque(to_run)
+    running = 0  # started, not ended
+    held = len(to_run)  # started or waiting: the in-flight gauge's share of this pack
+    metrics.IN_FLIGHT.inc(held)
     try:
         while True:
             if results:
@@ -299,56 +330,40 @@ def _pack(who: Delivery, payloads: list[Any]) -> dict[str, Any]:
                         if isinstance(answer, TRANSIENT_REDIS):
                             handed_back = handed_back or _handed_back(answer)
                         else:
-                            count(_summary(who, payload, result, answer, observed)["status"])
+                            count(_summary(who, payload, result, answer, observed))
                 metrics.observe_many(observed)
+                results = []
+            # a permit is waited for only while none of this pack runs
+            while waiting and permits().acquire(blocking=not running):
+                job = waiting.popleft()
+                running += 1
+                if len(to_run) == 1:  # a pack of one (an urgent job, a short batch): here
+                    generate(*job)
+                else:
+                    _pack_pool.submit(generate, *job)
             if not running:
                 break
-            done = [ended.get()]  # at least one, then whatever else has ended meanwhile
+            try:  # at least one, then whatever else has ended meanwhile
+                done = [ended.get(timeout=PERMIT_POLL_S if waiting else None)]
+            except queue.Empty:
+                continue
             while not ended.empty():
                 done.append(ended.get())
             running -= len(done)
+            held -= len(done)
             metrics.IN_FLIGHT.dec(len(done))
-            results = []
             for payload, outcome in done:
                 if isinstance(outcome, BaseException):
                     handed_back = handed_back or outcome
                 elif isinstance(outcome, dict):
-                    count(outcome["status"])
+                    count(outcome)
                 else:
                     results.append((payload, outcome))
-    finally:  # what is still running if the loop ended early
-        metrics.IN_FLIGHT.dec(running)
+    finally:  # what is still running or waiting if the loop ended early
+        metrics.IN_FLIGHT.dec(held)
     if handed_back is not None:
         raise handed_back
-    return summary
-
-
-def run(task: Task, payload: dict[str, Any]) -> dict[str, Any]:
-    who = Delivery.of(task)
-    with metrics.IN_FLIGHT.track_inprogress():
-        try:
-            return _run(who, payload)
-        except TRANSIENT_REDIS as exc:
-            raise _handed_back(exc) from None
-        except RedisError as exc:  # retrying cannot fix it: fail the job, once, loudly
-            return _unrecordable(who, payload, exc)
-
-
-def _run(who: Delivery, payload: dict[str, Any]) -> dict[str, Any]:
-    env = _parsed(who, payload)
-    if isinstance(env, JobResult):
-        result = env
-    else:
-        if state.dying:
-            _hand_back_dying()
-        started = while_full("start", lambda: store().start(env.batch, env.job.id, env.line))
-        step = _admitted(who, payload, env, started)
-        if step is None:
-            step = _generated(who, payload, env, started[1])
-        if isinstance(step, dict):
-            return step
-        result = step
-    return _summary(who, payload, result, while_full("record", lambda: store().record(result)))
+    return summary, ends
 
 
 def _handed_back(exc: Exception) -> Reject:
@@ -594,12 +609,10 @@ def _revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
 def _register(job_type: str) -> None:
     # ignore_result: the result lives in the batch stream; a second copy in Celery's backend
     # would cost a MULTI/SET/PUBLISH per job. Flower still sees the summary in task events.
-    @app.task(name=task_name(job_type), bind=True, ignore_result=True)
+    @app.task(name=task_name(job_type), bind=True, ignore_result=True, throws=(JobsFailed,))
     def _task(self: Task, payload: dict[str, Any] | list[Any]) -> dict[str, Any]:
-        if isinstance(payload, list):
-            return run_pack(self, payload)
-        with permits():
-            return run(self, payload)
+        # a message of one job carries it alone (its Flower args read as one job): a pack of one
+        return run_pack(self, payload if isinstance(payload, list) else [payload])
 
 
 for _t in JOB_TYPES:
