@@ -4,9 +4,9 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 REDIS   ?= redis://127.0.0.1:6379/0
 
-.PHONY: setup deps redis model demo test test-fast lint clean
+.PHONY: setup deps redis sandbox model demo test test-fast lint clean
 
-setup: deps redis
+setup: deps redis sandbox
 
 # the Python environment and the embedded model, without touching Redis (.ci/run installs them
 # while apt installs the system tools)
@@ -26,6 +26,17 @@ redis:
 	@$(PY) -c "import redis; redis.Redis.from_url('$(REDIS)').ping()" 2>/dev/null \
 	  || { echo "starting redis-server"; redis-server --daemonize yes --save "" --port 6379; \
 	       for i in 1 2 3 4 5 6 7 8 9 10; do redis-cli -p 6379 ping >/dev/null 2>&1 && break; sleep 0.5; done; }
+
+# codegen jobs' tests run in bubblewrap under prlimit (worker/sandbox.py): installed here where
+# apt and root allow, else named; without them such jobs fail `sandbox_unavailable`, the rest run
+sandbox:
+	@command -v bwrap >/dev/null && command -v prlimit >/dev/null && command -v setpriv >/dev/null \
+	  || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	         echo "installing bubblewrap and util-linux (codegen jobs' tests run in them)"; \
+	         apt-get install -y -qq bubblewrap util-linux >/dev/null 2>&1 \
+	           || { apt-get update -qq >/dev/null 2>&1; apt-get install -y -qq bubblewrap util-linux >/dev/null 2>&1; } \
+	           || echo "vqueue: could not install bubblewrap; codegen jobs with tests will fail until it is (apt-get install bubblewrap)"; \
+	       else echo "vqueue: codegen jobs with tests need bubblewrap and util-linux: sudo apt-get install bubblewrap util-linux"; fi; }
 
 model: $(STAMP)
 	@$(PY) -m worker.models >/dev/null

@@ -83,10 +83,19 @@ class Ctx:
     @property
     def client(self) -> Any:
         if self._client is None:
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+
             from .client import Client
 
-            try:  # fail fast here; the client's own connections ride out a later restart
-                redis.Redis.from_url(self.settings.backend_url(), socket_connect_timeout=5).ping()
+            try:  # fail fast here (one try, no redis-py retries, which would back off for a
+                # minute); the client's own connections ride out a later restart
+                probe = redis.Redis.from_url(
+                    self.settings.backend_url(), socket_connect_timeout=5, socket_timeout=5,
+                    retry=Retry(NoBackoff(), 0),
+                )  # fmt: skip
+                probe.ping()
+                probe.close()
                 self._client = Client(self.settings, on_wait=_say)
             except redis.RedisError as exc:
                 fail(
@@ -204,7 +213,7 @@ def submit(
     this process dies, the same command with --batch ID resumes the feed where it stopped.
     """
     from .client import new_batch_id
-    from .inputs import Parsed, expected_lines, parse_line, parse_lines, read_lines
+    from .inputs import Parsed, expected_lines, parse_line, parse_lines, read_lines, rejected_result
 
     share = None
     if canary is not None:
@@ -250,15 +259,22 @@ def submit(
         by_line = source is not None and (created or client.store.feed_state(batch)[2] == source)
         good = rejected = 0
 
-        def reject(line_no: int, ident: str | None, error: str) -> None:
+        def reject(p: Parsed, error: str) -> None:
+            """A bad line: echoed (the first few), and in the errors file in the line's own
+            format, as its batch's failed results are."""
             nonlocal rejected
             rejected += 1
             if rejected <= MAX_ECHOED_ERRORS:
-                bar.write(f"line {line_no}: {error}", file=sys.stderr)
+                bar.write(f"line {p.line}: {error}", file=sys.stderr)
             if errors_out:
-                errors_out.write(json.dumps(rejected_line(ident, line_no, error)) + "\n")
+                ident = p.custom_id or (p.job.id if p.job is not None else None)
+                if p.format == "vqueue":
+                    errors_out.write(rejected_result(batch, p, ident, error).model_dump_json())
+                else:
+                    errors_out.write(json.dumps(rejected_line(ident, p.line, error)))
+                errors_out.write("\n")
 
-        def quietly(_line: int, _ident: str | None, _error: str) -> None:
+        def quietly(_p: Parsed, _error: str) -> None:
             """The feed reports bad lines; a second pass over the input (the canary's, a
             resend's) skips them."""
 
@@ -272,15 +288,15 @@ def submit(
                 yield raw
             bar.update(pending)
 
-        def envelope(p: Parsed, on_bad: Callable[[int, str | None, str], None]) -> Envelope | None:
+        def envelope(p: Parsed, on_bad: Callable[[Parsed, str], None]) -> Envelope | None:
             """The line's envelope; None for a bad line, told to ``on_bad``: whatever a line
             holds, it is rejected alone, never the file."""
             if p.error is not None:
-                on_bad(p.line, p.custom_id, p.error)
+                on_bad(p, p.error)
                 return None
             name = p.job.template if isinstance(p.job, ExtractJob) else None
             if name is not None and not client.template_known(name):
-                on_bad(p.line, p.job.id, f"unknown template {name!r} (see 'vqueue templates list')")
+                on_bad(p, f"unknown template {name!r} (see 'vqueue templates list')")
                 return None
             try:
                 env = Envelope(
@@ -290,7 +306,7 @@ def submit(
                 )  # fmt: skip
                 env.wire()
             except (ValueError, RecursionError) as exc:
-                on_bad(p.line, p.job.id, f"cannot be enqueued: {exc}")
+                on_bad(p, f"cannot be enqueued: {exc}")
                 return None
             return env
 
@@ -304,7 +320,7 @@ def submit(
                     if p.error is None:
                         good += 1
                     else:
-                        reject(p.line, p.custom_id, p.error)
+                        reject(p, p.error)
                     continue
                 env = envelope(p, reject)
                 if env is not None:
@@ -1170,11 +1186,17 @@ def resume(ctx: click.Context, batch: str, as_json: bool, quiet: bool) -> None:
 @click.pass_obj
 def serve(obj: Ctx, host: str, port: int) -> None:
     """Serve OpenAI's Files and Batches API over the queue (docs/http-api.md)."""
-    try:
-        from .api import serve as run
-    except ImportError as exc:
-        hint = f"the HTTP API needs the server extra: pip install 'vqueue[server]' ({exc})"
-        fail(hint, RET_USAGE)
+    from importlib.util import find_spec
+
+    # found, not imported: the server's modules load only once it starts
+    lacking = [m for m in ("fastapi", "uvicorn", "python_multipart") if find_spec(m) is None]
+    if lacking:
+        fail(
+            f"the HTTP API needs the server extra ({', '.join(lacking)} not installed): "
+            "pip install 'vqueue[server]'", RET_USAGE,
+        )  # fmt: skip
+    from .api import serve as run
+
     click.echo(f"vqueue: serving the Batch API on http://{host}:{port}/v1", err=True)
     run(host, port, obj.settings)
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from pydantic import TypeAdapter, ValidationError
 
-from schemas import JOB_TYPES, Job, request_line
+from schemas import JOB_TYPES, Job, JobError, JobResult, Timings, request_line
 from schemas.jobs import Format
 
 # A line larger than this is refused unread: it cannot be a sane job (texts are capped at 1M chars).
@@ -30,10 +31,27 @@ _job_adapter: TypeAdapter[Any] = TypeAdapter(Job)
 class Parsed:
     line: int
     job: Any = None  # a Job model when the line is good
+    # the line's format; a bad line's is its own where it reads as an object (an OpenAI request
+    # line holds custom_id), else the file's so far, so that its errors-file line matches
     format: Format = "vqueue"
+    known: bool = True  # False: the line did not read far enough to say its format
     model: str | None = None  # OpenAI lines: body.model, echoed back
     error: str | None = None
     custom_id: str | None = None  # the line's id, when one could be read, for the errors file
+
+
+def rejected_result(batch: str, p: Parsed, ident: str | None, error: str) -> JobResult:
+    """A vqueue-format line refused at submit, as the errors file writes it: a failed result,
+    the same shape as the batch's jobs that fail at a worker."""
+    return JobResult(
+        id=ident or f"line-{p.line}",
+        batch=batch,
+        type=p.job.type if p.job is not None else "unknown",
+        status="failed",
+        line=p.line,
+        timings=Timings(enqueued_at=0.0, finished_at=time.time()),
+        error=JobError(type="invalid_job", message=f"line {p.line}: {error}"),
+    )
 
 
 def parse_lines(
@@ -41,15 +59,20 @@ def parse_lines(
 ) -> Iterator[Parsed]:
     """Parse raw lines (bytes, so invalid UTF-8 is reported, not raised); skips blank lines."""
     seen: set[str] = set()
+    last: Format = "vqueue"
     for n, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         p = parse_line(n, raw, default_priority, default_system)
+        if not p.known:
+            p.format = last
+        last = p.format
         if p.job is not None:
             if p.job.id in seen:
                 p = Parsed(
-                    n, error=f"duplicate job id {p.job.id!r} in this batch", custom_id=p.job.id
-                )
+                    n, format=p.format, custom_id=p.job.id,
+                    error=f"duplicate job id {p.job.id!r} in this batch",
+                )  # fmt: skip
             else:
                 seen.add(p.job.id)
         yield p
@@ -95,28 +118,33 @@ def parse_line(
     try:
         return _parse_line(n, raw, default_priority, default_system)
     except RecursionError:
-        return Parsed(n, error="the line nests too deeply to read")
+        return Parsed(n, error="the line nests too deeply to read", known=False)
     except Exception as exc:  # noqa: BLE001  # a line must never stop the file
-        return Parsed(n, error=f"could not read the line ({type(exc).__name__}: {exc})"[:500])
+        return Parsed(
+            n, error=f"could not read the line ({type(exc).__name__}: {exc})"[:500], known=False
+        )
 
 
 def _parse_line(
     n: int, raw: bytes, default_priority: int | None, default_system: str | None
 ) -> Parsed:
     if raw == b"\0TOO_LONG" or len(raw) > MAX_LINE_BYTES:
-        return Parsed(n, error=f"line is longer than {MAX_LINE_BYTES} bytes")
+        return Parsed(n, error=f"line is longer than {MAX_LINE_BYTES} bytes", known=False)
     try:
         text = raw.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as exc:
-        return Parsed(n, error=f"not valid UTF-8 at byte {exc.start}")
+        return Parsed(n, error=f"not valid UTF-8 at byte {exc.start}", known=False)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        return Parsed(n, error=f"not valid JSON: {exc.msg} (column {exc.colno})")
+        return Parsed(n, error=f"not valid JSON: {exc.msg} (column {exc.colno})", known=False)
     if not isinstance(obj, dict):
-        return Parsed(n, error=f"a line must be a JSON object, got {type(obj).__name__}")
+        return Parsed(
+            n, error=f"a line must be a JSON object, got {type(obj).__name__}", known=False
+        )
     ident = obj.get("custom_id", obj.get("id"))
     ident = ident if isinstance(ident, str) else None
+    fmt: Format = "openai" if "custom_id" in obj else "vqueue"
     try:
         if "custom_id" in obj:
             req = request_line(obj)
@@ -128,19 +156,23 @@ def _parse_line(
             obj["system"] = default_system
         if "type" not in obj:
             return Parsed(
-                n, error=f"missing field 'type' (one of {', '.join(JOB_TYPES)})", custom_id=ident
+                n,
+                error=f"missing field 'type' (one of {', '.join(JOB_TYPES)})",
+                custom_id=ident,
+                format=fmt,
             )
         if obj["type"] not in JOB_TYPES:
             return Parsed(
                 n,
                 error=f"unknown job type {obj['type']!r} (expected one of {', '.join(JOB_TYPES)})",
                 custom_id=ident,
+                format=fmt,
             )
         return Parsed(n, job=_job_adapter.validate_python(obj), custom_id=ident)
     except ValidationError as exc:
-        return Parsed(n, error=describe(exc), custom_id=ident)
+        return Parsed(n, error=describe(exc), custom_id=ident, format=fmt)
     except ValueError as exc:
-        return Parsed(n, error=str(exc), custom_id=ident)
+        return Parsed(n, error=str(exc), custom_id=ident, format=fmt)
 
 
 def describe(exc: ValidationError) -> str:

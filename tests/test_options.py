@@ -86,6 +86,16 @@ def test_input_hygiene_strips_and_counts(client: Client) -> None:
          "max_tokens": 8},
     )["k"]  # fmt: skip
     assert c.input_chars_cleaned == 1
+    # and so does code inside an instruction, indented or fenced, while its prose is cleaned
+    signature = 'from typing import List\n\n\ndef f(xs: List[int]) -> int:\n    """Sum  them."""\n'
+    fenced = "Make  it faster:  \n```python\ndef g(n):\n\n\n    return  n\n```\n"
+    i = _run(
+        client,
+        {"id": "s", "type": "codegen", "instruction": signature, "max_tokens": 8},
+        {"id": "f", "type": "codegen", "instruction": fenced, "max_tokens": 8},
+    )
+    assert i["s"].input_chars_cleaned == 0
+    assert i["f"].input_chars_cleaned == len(" ") + len("  ")  # "Make it faster:\n" only
 
 
 def test_context_limits_and_truncation_policies(client: Client) -> None:

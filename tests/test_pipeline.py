@@ -506,6 +506,31 @@ def test_openai_batch_file_round_trips(worker: WorkerProc, tmp_path: Path) -> No
     assert read == {"q1", "q2", "q3", "q4", "q5", "t1", "t2", "t3", "t4"}
 
 
+def test_an_errors_file_writes_each_line_in_its_own_format(
+    worker: WorkerProc, tmp_path: Path
+) -> None:
+    # Given a file mixing a good vqueue line, a bad one, a bad OpenAI request line, and a line
+    # that is not JSON at all after it
+    src, err = tmp_path / "mixed.jsonl", tmp_path / "err.jsonl"
+    src.write_text(
+        '{"id": "ok", "type": "summarize", "text": "Hi.", "max_tokens": 4}\n'
+        '{"id": "v-bad", "text": "no type"}\n'
+        '{"custom_id": "o-bad", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+        "not json\n"
+    )
+    # When it is submitted with --errors
+    proc = run_cli("submit", str(src), "--wait", "--errors", str(err), "-q")
+    assert proc.returncode == 0, proc.stderr.decode()
+    # Then the vqueue line is a failed result, as a worker's failures are, and the OpenAI line
+    # an OpenAI batch error line; the unreadable line takes the format of the file so far
+    vq, oa, unread = map(json.loads, err.read_text().splitlines())
+    assert (vq["id"], vq["status"], vq["line"]) == ("v-bad", "failed", 2), vq
+    assert vq["error"]["type"] == "invalid_job" and "missing field 'type'" in vq["error"]["message"]
+    assert oa["custom_id"] == "o-bad" and oa["error"]["line"] == 3, oa
+    assert unread["custom_id"] is None and unread["error"]["line"] == 4, unread
+    assert "not valid JSON" in unread["error"]["message"]
+
+
 @pytest.mark.parametrize("content", [None, b"", b"not json\n[1]\n"])
 def test_unusable_input_file_exits_non_zero(tmp_path: Path, content: bytes | None) -> None:
     src = tmp_path / "input.jsonl"

@@ -521,8 +521,9 @@ def test_a_job_lost_on_the_way_is_sent_again_and_the_batch_ends(
     from protocol.wire import queue_keys
 
     # Given a batch of 20 whose queue loses one message before any worker takes it (as a worker
-    # killed between taking a job off its list and recording it loses that job)
-    client = _client(fault_redis.url, prefix_routing=False, lost_job_grace_s=1)
+    # killed between taking a job off its list and recording it loses that job); one job a
+    # message, so that the lost message is one job (a lost pack goes the same way, whole)
+    client = _client(fault_redis.url, prefix_routing=False, lost_job_grace_s=1, jobs_per_message=1)
     jobs = _jobs(20, "lost")
     batch = client.submit_many(jobs, batch="lost-one")
     r = client.store.r
@@ -547,9 +548,11 @@ def test_a_resubmitted_file_sends_again_only_the_job_lost_on_the_way(
 
     # Given a file of 20 jobs submitted, one of whose messages is lost before any worker takes
     # it, and a worker that finishes the other 19
+    # (one job a message: the lost message is one job)
     quiet = {"VQUEUE_VISIBILITY_TIMEOUT_S": "8", "VQUEUE_JOB_TIMEOUT_S": "5",
-             "VQUEUE_LOST_JOB_GRACE_S": "1", "VQUEUE_PREFIX_ROUTING": "false"}  # fmt: skip
-    client = _client(fault_redis.url, prefix_routing=False, lost_job_grace_s=1)
+             "VQUEUE_LOST_JOB_GRACE_S": "1", "VQUEUE_PREFIX_ROUTING": "false",
+             "VQUEUE_JOBS_PER_MESSAGE": "1"}  # fmt: skip
+    client = _client(fault_redis.url, prefix_routing=False, lost_job_grace_s=1, jobs_per_message=1)
     file = tmp_path / "jobs.jsonl"
     file.write_text("".join(json.dumps(j) + "\n" for j in _jobs(20, "gone")))
     first = _cli("submit", str(file), "--batch", "lost-file", url=fault_redis.url, **quiet)
@@ -1396,6 +1399,10 @@ def test_job_timeout_aborts_in_the_engine(worker: WorkerProc, client: Client) ->
     # Then it fails as a timeout, and the engine holds no leftover request: the next job runs
     assert res.status == "failed" and res.error and res.error.type == "timeout"
     assert (res.timings.finished_at or 0) - (res.timings.started_at or 0) < 10
+    # its message says whose budget ran out, counted from where, and after how many attempts
+    assert res.error.message.startswith("the job's 1s budget (its timeout_s"), res.error.message
+    assert "into its run at this worker" in res.error.message
+    assert "after 1 attempt(s)" in res.error.message
     nxt = client.submit_many([after])
     assert next(iter(nxt.results(timeout=120))).status == "completed"
     wait_for(

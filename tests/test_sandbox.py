@@ -109,6 +109,11 @@ def test_a_host_without_bubblewrap_runs_no_tests(
         assert "bwrap is not installed" in (sandbox_problem() or "")
         with pytest.raises(RuntimeError, match="bwrap is not installed"):
             run_tests(ADD, "assert add(1, 1) == 2", None, LIMITS)
+        # and when bubblewrap turns up (PATH again), a running worker takes it at its next
+        # look, unrestarted
+        monkeypatch.undo()
+        monkeypatch.setattr(sandbox_problem, "recheck_s", 0.0)
+        assert sandbox_problem() is None
     finally:
         monkeypatch.undo()
         sandbox_problem.cache_clear()

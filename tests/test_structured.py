@@ -226,8 +226,10 @@ def test_bad_schemas_each_get_their_own_error(tmp_path: Path) -> None:
     # problem, with the job id
     proc = run_cli("submit", str(src), "-q", "--errors", str(errors), "--wait")
     assert proc.returncode == 3
-    got = {json.loads(x)["custom_id"]: json.loads(x)["error"]["message"]
-           for x in errors.read_text().splitlines()}  # fmt: skip
+    # (in the errors file as the vqueue lines they are: failed results, as a worker writes)
+    written = [json.loads(x) for x in errors.read_text().splitlines()]
+    assert all(x["status"] == "failed" and x["error"]["type"] == "invalid_job" for x in written)
+    got = {x["id"]: x["error"]["message"] for x in written}
     for name, (_, expected) in BAD_SCHEMAS.items():
         assert expected in got[name], (name, got[name])
     # the same checks hold for the Python API

@@ -78,6 +78,11 @@ def main(
         s = get_settings()
     except ValidationError as exc:
         _fail(f"invalid settings: {describe_settings_error(exc)}", RET_USAGE)
+    if s.engine_class.startswith("worker.engine:") and (missing := _missing_engine()):
+        _fail(
+            f"this worker cannot run: {missing} is not installed; install the worker's extra: "
+            "pip install 'vqueue[gpu]' (CUDA) or 'vqueue[cpu]' (README)", RET_CONFIG,
+        )  # fmt: skip
     env = dict(os.environ)
     env["VQUEUE_BROKER_URL"], env["VQUEUE_QUEUE"] = s.broker_url, s.queue
     gpus = gpus or s.gpus
@@ -143,6 +148,16 @@ def main(
         *celery_args,
     ]
     os.execvpe(argv[0], argv, env)
+
+
+def _missing_engine() -> str | None:
+    """The first package vLLM's engine needs that this environment lacks (a producer-only
+    install, ``pip install vqueue`` without an extra), found without importing it."""
+    from importlib.util import find_spec
+
+    return next(
+        (name for name in ("torch", "vllm", "transformers") if find_spec(name) is None), None
+    )
 
 
 def _check(as_json: bool) -> None:

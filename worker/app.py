@@ -516,12 +516,27 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
         from .runner import warm_grammar_check
 
         warm_grammar_check(state.engine, settings)
+        if not settings.urgent_of:
+            threading.Thread(target=_say_sandbox, name="vqueue-sandbox", daemon=True).start()
     except (ConfigError, FileNotFoundError) as exc:  # the operator's to fix: a line, no trace
         log.error("invalid worker settings: %s; exiting %d", exc, RET_CONFIG)
         os._exit(RET_CONFIG)
     except BaseException:
         log.exception("the vLLM engine failed to start; exiting %d", EXIT_ENGINE)
         os._exit(EXIT_ENGINE)  # Celery would log a handler's exception and carry on without it
+
+
+def _say_sandbox() -> None:
+    """At start, whether codegen jobs' tests can run here: a fresh host without bubblewrap
+    fails each such job ``sandbox_unavailable``, and an operator should read why once."""
+    from .sandbox import sandbox_problem
+
+    if (problem := sandbox_problem()) is not None:
+        log.warning(
+            "codegen jobs with tests will fail sandbox_unavailable: %s; this worker looks again "
+            "at each such job, every %.0f s at most, and needs no restart", problem,
+            sandbox_problem.recheck_s,
+        )  # fmt: skip
 
 
 def _engine(engine_class: Any, worker: Any) -> Any:

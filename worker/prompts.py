@@ -165,6 +165,30 @@ def clean(text: str, prose: bool = True) -> str:
     return text
 
 
+# a fenced block of an instruction, fences included; an unclosed one runs to the end
+_FENCED = re.compile(r"^[ \t]*```.*?(?:^[ \t]*```[^\n]*$|\Z)", re.DOTALL | re.MULTILINE)
+_INDENTED = re.compile(r"^[ \t]+\S", re.MULTILINE)
+
+
+def clean_instruction(text: str) -> str:
+    """An instruction, which may hold code: its fenced blocks keep their whitespace, and so
+    does the rest wherever a line of it is indented (a signature with its docstring, pasted
+    code without fences); only the prose between is cleaned as prose. Characters that are
+    invisible or control are removed everywhere, as in ``clean``."""
+    if _clean_already(text):
+        return text
+    out, at = [], 0
+    for m in _FENCED.finditer(text):
+        out += [_clean_part(text[at : m.start()]), clean(m.group(0), prose=False)]
+        at = m.end()
+    out.append(_clean_part(text[at:]))
+    return "".join(out)
+
+
+def _clean_part(text: str) -> str:
+    return clean(text, prose=not _INDENTED.search(text))
+
+
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:\n```|\Z)", re.DOTALL)
 
 

@@ -42,7 +42,7 @@ from . import metrics
 from .cache import IDENTITY_FIELDS, ResultCache, determined
 from .confidence import Monitor
 from .engine import EngineError, EngineHost, Generation, JobTimeout, JobWithdrawn
-from .prompts import build_messages, clean, extract_code, special_token_in
+from .prompts import build_messages, clean, clean_instruction, extract_code, special_token_in
 from .sandbox import run_tests, sandbox_problem
 from .structured import (
     GrammarCheck,
@@ -160,7 +160,7 @@ def run_job(
         result.error = JobError(type="engine_error", message=str(exc))
     except JobTimeout as exc:
         result.status = "failed"
-        result.error = JobError(type="timeout", message=str(exc))
+        result.error = JobError(type="timeout", message=_timed_out(env, settings, result, exc))
     except JobWithdrawn as exc:
         result.status = "failed"
         result.error = JobError(type=exc.reason, message=str(exc))  # type: ignore[arg-type]
@@ -266,6 +266,22 @@ def _run(plan: JobPlan, result: JobResult) -> None:
         job.forces_call() or (job.tools and job.tool_choice != "none" and engine.tool_calls)
     ):
         _tool_calls(job, engine.tool_calls, result)
+
+
+def _timed_out(env: Envelope, settings: Settings, result: JobResult, exc: JobTimeout) -> str:
+    """What a timeout came to, in the terms a user reads it in: the budget is the whole job's
+    at this worker (every attempt, and the wait in the engine's queue behind the worker's
+    other jobs), counted from its start here, not from its submission."""
+    now = time.time()
+    budget = min(env.job.timeout_s or settings.job_timeout_s, settings.job_timeout_s)
+    ran = now - (result.timings.started_at or now)
+    attempts = max(len(result.attempts), 1)
+    age = f", {now - env.enqueued_at:.0f}s after it was submitted" if env.enqueued_at else ""
+    return (
+        f"the job's {budget:g}s budget (its timeout_s, at most VQUEUE_JOB_TIMEOUT_S) ran out "
+        f"{ran:.1f}s into its run at this worker{age}, after {attempts} attempt(s), waits in the "
+        f"engine's queue included: {exc}"
+    )
 
 
 def retry_seed(job: Any, k: int) -> int:
@@ -657,11 +673,12 @@ def retry_sampling(job: Any, policy: EarlyStop, k: int) -> tuple[float, int | No
 def clean_job(job: Any) -> tuple[Any, int]:
     """The job with its texts cleaned (``prompts.clean``), and how many characters went."""
     updates: dict[str, Any] = {}
-    for name, prose in (("text", True), ("instruction", True), ("context", False),
-                        ("prompt", False)):  # fmt: skip
+    for name, prose in (("text", True), ("context", False), ("prompt", False)):
         value = field_of(job, name)
         if value:
             updates[name] = clean(value, prose)
+    if instruction := field_of(job, "instruction"):  # prose that may hold code
+        updates["instruction"] = clean_instruction(instruction)
     if isinstance(job, ChatJob):
         updates["messages"] = [
             m.model_copy(update={"content": clean(m.content, prose=False)}) for m in job.messages
@@ -839,15 +856,15 @@ def _read_output(
         raise JobFailed(
             "loop",
             "the model repeated itself in every attempt (a cycle of tokens, "
-            f"VQUEUE_LOOP_MIN_REPEATS times in a row); the last attempt's output "
-            f"({len(text)} characters) is in text",
+            f"VQUEUE_LOOP_MIN_REPEATS times in a row); the last attempt's output was "
+            f"{len(text)} characters",
         )
     if finish_reason == "length":
         retried = f", and at {cut} tokens the first time" if cut else ""
         raise JobFailed(
             "schema_incomplete",
             f"the JSON was cut off at max_tokens={max_tokens}{retried}; the partial output "
-            f"({len(text)} characters) is in text",
+            f"was {len(text)} characters",
         )
     try:
         data = json.loads(text)

@@ -18,7 +18,7 @@ its standard library only (no site-packages, no environment variables).
 
 from __future__ import annotations
 
-import functools
+import logging
 import os
 import shutil
 import signal
@@ -33,6 +33,8 @@ from typing import Literal
 from pydantic import BaseModel
 
 from schemas import Settings
+
+log = logging.getLogger(__name__)
 
 Outcome = Literal["passed", "failed", "timed_out", "killed"]
 DETAIL_CHARS = 300  # of the program's last error line, kept in the result
@@ -50,12 +52,45 @@ class TestRun(BaseModel):
     seconds: float
 
 
-@functools.cache
-def sandbox_problem() -> str | None:
-    """Why tests cannot run on this host, or None when they can (checked once: a real run)."""
+class _SandboxCheck:
+    """Why tests cannot run on this host, or None when they can: a real run of bwrap. A
+    sandbox that works is kept for good; a problem is looked at again after ``recheck_s``, so
+    that a worker running while bubblewrap is installed runs tests within that, unrestarted,
+    and says so in its log."""
+
+    recheck_s = 30.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: tuple[float, str | None] | None = None
+
+    def __call__(self) -> str | None:
+        with self._lock:
+            now = time.monotonic()
+            seen = self._seen
+            if seen is not None and (seen[1] is None or now - seen[0] < self.recheck_s):
+                return seen[1]
+            problem = _probe()
+            if seen is not None and problem is None:
+                log.warning("the test sandbox works now: codegen jobs with tests run again")
+            self._seen = (now, problem)
+            return problem
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self._seen = None
+
+
+sandbox_problem = _SandboxCheck()
+
+
+def _probe() -> str | None:
     for tool in ("bwrap", "prlimit", "setpriv"):
         if shutil.which(tool) is None:
-            return f"{tool} is not installed (Debian/Ubuntu: apt-get install bubblewrap util-linux)"
+            return (
+                f"{tool} is not installed (Debian/Ubuntu: apt-get install bubblewrap "
+                "util-linux; `make setup` installs them where it can)"
+            )
     workdir = _workdir()
     try:
         done = subprocess.run(_command(workdir, 5, 256 << 20, 1 << 20) + ["-c", "0"],
