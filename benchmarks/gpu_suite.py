@@ -1050,6 +1050,13 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
                     if r.get("cached_tokens") is not None and r["prompt_tokens"]
                 ),
                 "power_w": _median(r.get("power_w_mean") for r in rs),
+                # the card's energy an output token: mean power over the round times its wall
+                # time, over the tokens it generated (equal on both sides)
+                "joules_per_token": _median(
+                    r["power_w_mean"] * r["wall_s"] / r["generated_tokens"]
+                    for r in rs
+                    if r.get("power_w_mean") and r.get("generated_tokens")
+                ),
                 # SM % of the row's own processes and of every other (another engine's work
                 # would share the card with this row's)
                 "gpu_sm_own": _median(r.get("gpu_sm_own") for r in rs),
@@ -1115,8 +1122,9 @@ def table(summary: list[dict[str, Any]]) -> str:
 
     lines = [
         "| workload | system | jobs | rounds | jobs/s | output tok/s | generated tokens | "
-        "TTFT p50 s | prefix-cache hits | GPU power W | vs best raw (median, min) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "TTFT p50 s | prefix-cache hits | GPU power W | mJ / output token | "
+        "vs best raw (median, min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         ratio = "-"
@@ -1126,7 +1134,9 @@ def table(summary: list[dict[str, Any]]) -> str:
             f"| {s['workload']} | {s['system']} | {s['jobs']} | {s['rounds']} | "
             f"{f(s['jobs_per_s'], '.1f')} | {f(s['out_tok_per_s'], ',.0f')} | "
             f"{s['generated_tokens']:,.0f} | {f(s['ttft_p50_s'])} | "
-            f"{f(s.get('prefix_hit'), '.1%')} | {f(s.get('power_w'), '.0f')} | {ratio} |"
+            f"{f(s.get('prefix_hit'), '.1%')} | {f(s.get('power_w'), '.0f')} | "
+            f"{f(s['joules_per_token'] * 1000 if s.get('joules_per_token') else None, '.2f')} | "
+            f"{ratio} |"
         )
     return "\n".join(lines)
 
