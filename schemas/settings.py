@@ -329,9 +329,12 @@ class Settings(BaseSettings):
     # skipped for the least-loaded one (0: the worker's concurrency)
     prefix_routing: bool = True
     route_spill_depth: int = Field(default=0, ge=0)
-    # a job naming a model no live worker serves: fail it (model_not_found, OpenAI's 404), or
-    # let it wait in the model's own queue (<queue>~<model>) for a worker serving it to start
-    unserved_model: Literal["fail", "wait"] = "fail"
+    # a job naming a model no live worker serves: fail it (model_not_found, OpenAI's 404), let
+    # it wait in the model's own queue (<queue>~<model>) for a worker serving it to start, or
+    # run it on the worker's default model ("default": OpenAI batch files written for another
+    # service, `"model": "gpt-4o-mini"` on every line, run unchanged; results name the model
+    # that answered)
+    unserved_model: Literal["fail", "wait", "default"] = "fail"
     # what a producer does at a limit: wait (with a message on stderr) or refuse (exit 7)
     on_limit: Literal["wait", "refuse"] = "wait"
     # whether guided decoding can enforce a job's JSON Schema is asked of llguidance in child

@@ -681,6 +681,24 @@ def test_a_job_naming_a_model_nobody_serves_waits_for_a_worker_of_it(
     _exactly_once(client, batch.id, 2)
 
 
+def test_a_job_naming_a_model_nobody_serves_runs_on_the_default_one_where_set(
+    procs: Procs, fault_redis: RedisServer
+) -> None:
+    # Given workers and producers that run such jobs on the served model
+    # (VQUEUE_UNSERVED_MODEL=default), on the fake engine (the worker's model check alone)
+    client = _client(fault_redis.url, unserved_model="default")
+    served = {"VQUEUE_SERVED_MODEL_NAME": "ours", "VQUEUE_UNSERVED_MODEL": "default"}
+    w = procs.fake_worker("dflt", fault_redis.url, delay=0.05, concurrency=2, **served)
+    w.wait_ready(client.store.r, timeout=120)
+    # When jobs name a model of another service, as OpenAI's guide writes its batch files
+    job = {"type": "summarize", "text": "a document", "model": "gpt-4o-mini"}
+    batch = client.submit_many([{"id": "a", **job}, {"id": "b", **job}])
+    # Then they complete on the served model, and say which model answered
+    results = {r.id: r for r in batch.results(timeout=120)}
+    assert {(r.status, r.model) for r in results.values()} == {("completed", "ours")}, results
+    _exactly_once(client, batch.id, 2)
+
+
 def test_a_permanent_redis_error_fails_the_job_instead_of_looping(
     procs: Procs, fault_redis: RedisServer
 ) -> None:

@@ -111,7 +111,11 @@ def run_job(
     if isinstance(job, ChatJob) and job.unsupported is not None:
         u = job.unsupported
         refused = JobError(type="unsupported_parameter", message=u.message, param=u.param)
-    elif env.model is not None and env.model not in engine.model_names:
+    elif (
+        env.model is not None
+        and env.model not in engine.model_names
+        and settings.unserved_model != "default"  # else it runs on the served model
+    ):
         names = ", ".join(f"`{n}`" for n in engine.model_names)
         refused = JobError(type="model_not_found", param="model", message=(
             f"The model `{env.model}` does not exist. This queue's workers serve {names} "
