@@ -77,7 +77,9 @@ class Ctx:
             base = get_settings()
             self.settings: Settings = Settings.model_validate({**base.model_dump(), **updates})
         except ValidationError as exc:
-            fail(f"invalid settings: {describe_settings_error(exc)}", RET_USAGE)
+            options = {"broker_url": "--broker", "queue": "--queue", "tenant": "--tenant"}
+            named = {k: v for k, v in options.items() if k in updates}
+            fail(f"invalid settings: {describe_settings_error(exc, named)}", RET_USAGE)
         self._client: Any = None
 
     @property

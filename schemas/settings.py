@@ -269,8 +269,10 @@ class Settings(BaseSettings):
     @classmethod
     def _a_redis_url(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
-            scheme = v.partition("://")[0][:20]  # the rest may hold a password
-            raise ValueError(f"must be a Redis URL (redis://, rediss://, unix://), not {scheme}://")
+            scheme, sep, _ = v.partition("://")  # the rest may hold a password
+            bare = v.rpartition("@")[2][:40]  # without what may be a user and password
+            given = f"{scheme[:20]}://..." if sep else f"{bare!r}, which names no scheme"
+            raise ValueError(f"must be a Redis URL (redis://, rediss://, unix://), not {given}")
         return v
 
     @field_validator("queue")
@@ -449,12 +451,23 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def describe_settings_error(exc: ValidationError) -> str:
-    """``VQUEUE_DTYPE: Input should be ...; ...``: the env var to fix, not the model field."""
+# what a name-shaped setting may be, in words, where its pattern would say it in a regex
+_PATTERN_WORDS = {
+    "queue": "1 to 128 letters, digits, '_', '.' or '-', the first a letter or digit",
+}
+
+
+def describe_settings_error(exc: ValidationError, given: dict[str, str] | None = None) -> str:
+    """``VQUEUE_DTYPE: Input should be ...; ...``: what to fix, named as the user set it: the
+    env var, or the option in ``given`` (field -> ``--queue``) that carried the value."""
     parts = []
     for err in exc.errors(include_url=False):
         msg = err["msg"].removeprefix("Value error, ")
+        field = str(err["loc"][0]) if err["loc"] else ""
+        if err["type"] == "string_pattern_mismatch" and field in _PATTERN_WORDS:
+            msg = f"must be {_PATTERN_WORDS[field]}, not {err['input']!r}"
         if err["loc"]:
-            msg = "VQUEUE_" + "_".join(str(x) for x in err["loc"]).upper() + ": " + msg
+            name = (given or {}).get(field) or "VQUEUE_" + "_".join(map(str, err["loc"])).upper()
+            msg = f"{name}: {msg}"
         parts.append(msg)
     return "; ".join(parts)

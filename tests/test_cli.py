@@ -169,8 +169,16 @@ def test_bad_paths_and_urls_fail_before_anything_is_enqueued(cli: Cli, tmp_path:
     # a broker URL that is not Redis's: one line, exit 2, no password echoed
     bad = cli("--broker", "http://user:secret@host", "submit", str(src))
     stderr = bad.stderr.decode()
-    assert bad.returncode == 2 and "must be a Redis URL" in stderr, stderr
+    assert bad.returncode == 2 and "--broker: must be a Redis URL" in stderr, stderr
     assert "secret" not in stderr and "Traceback" not in stderr
+    # nor one without a scheme, which reads as the value given, nor a queue no name can be: each
+    # names the option that carried it, in words, not a regex
+    bad = cli("--broker", "user:secret@notaurl", "status").stderr.decode()
+    assert "not 'notaurl', which names no scheme" in bad and "secret" not in bad, bad
+    empty = cli("--queue", "", "status")
+    assert empty.returncode == 2, empty.stderr
+    assert b"--queue: must be 1 to 128 letters, digits" in empty.stderr, empty.stderr
+    assert b"[A-Za-z" not in empty.stderr
 
 
 def test_a_submit_no_worker_will_take_says_so(cli: Cli, tmp_path: Path) -> None:
