@@ -720,15 +720,17 @@ def _fleet_status(client: Any, as_json: bool) -> str:
     if as_json:
         return json.dumps({"queues": depths, "workers": workers})
     lines = [f"queue {q}: {d} waiting" for q, d in depths.items()]
-    lanes = sum(bool(w.get("urgent_of")) for w in workers)
+    lanes = [w for w in workers if w.get("urgent_of")]
+    urgent = sum((w.get("lane") or "urgent") == "urgent" for w in lanes)
     lines.append(
-        f"{len(workers) - lanes} live worker(s)"
-        + (f", {lanes} with an urgent process" if lanes else "")
+        f"{len(workers) - len(lanes)} live worker(s)"
+        + (f", {urgent} with an urgent process" if urgent else "")
+        + (f", {len(lanes) - urgent} more bulk process(es)" if len(lanes) > urgent else "")
     )
     for w in workers:
-        if w.get("urgent_of"):  # a second client of that worker's engine core
+        if w.get("urgent_of"):  # another client of that worker's engine core
             lines.append(
-                f"  {w['name']}  urgent process of {w['urgent_of']}"
+                f"  {w['name']}  {w.get('lane') or 'urgent'} process of {w['urgent_of']}"
                 f" in_flight={w['in_flight']}/{w['concurrency']} done={w['jobs_done']}"
             )
             continue

@@ -173,12 +173,20 @@ class Settings(BaseSettings):
     # lower-priority one, which resumes later after recomputing (worker/vllm_ext/scheduler.py);
     # off: it waits for one to finish (with a full bulk batch, up to one answer's generation)
     urgent_preempt: bool = True
+    # Celery processes a worker runs for its bulk jobs, each a client of its one engine core
+    # (vLLM's client_count, as `vllm serve --api-server-count N`), the worker's concurrency
+    # split among them. One process's consumer, chat templates, tokenizer calls and vLLM's
+    # output loop share one GIL, and on a GPU short jobs can outrun it (docs/benchmarks.md).
+    # Where this vLLM cannot share its core (compat's shared-core gate) one runs, with its
+    # share of the concurrency, and says so.
+    bulk_processes: int = Field(default=1, ge=1, le=16)
     # set by a worker for its urgent process (internal): its engine core's addresses for that
     # client (worker.vllm_ext.client.CoreAddress), its name, and its pid (the urgent process
     # exits when it is gone)
     engine_client: str = ""
     urgent_of: str = ""
     urgent_owner: int = 0
+    lane: Literal["", "urgent", "bulk"] = ""  # which of its worker's lanes this process is
     gpus: str | None = None  # CUDA_VISIBLE_DEVICES for this worker
     heartbeat_s: float = 5.0  # how often a worker refreshes its liveness key
     log_stats_s: float = 10.0  # how often the engine logs vLLM's stats line; 0 turns it off
@@ -410,6 +418,10 @@ class Settings(BaseSettings):
     def worker_concurrency(self) -> int:
         """Jobs the worker holds at once (its urgent process's slots are beyond these)."""
         return self.concurrency or 2 * (self.max_num_seqs or 256)
+
+    def bulk_share(self) -> int:
+        """Each bulk process's jobs at once: the worker's concurrency split among them."""
+        return max(1, -(-self.worker_concurrency() // self.bulk_processes))
 
     def default_max_tokens(self, job_type: str) -> int:
         return int(getattr(self, f"max_tokens_{job_type}"))

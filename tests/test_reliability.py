@@ -872,6 +872,44 @@ def test_an_urgent_process_whose_worker_died_while_it_started_exits() -> None:
     assert b"is gone" in proc.stderr, proc.stderr.decode()[-2000:]
 
 
+@pytest.mark.engine
+def test_more_bulk_processes_share_the_workers_engine_core_and_each_takes_jobs(
+    procs: Procs, fault_redis: RedisServer
+) -> None:
+    # Given a real worker with two bulk processes (VQUEUE_BULK_PROCESSES=2) and no urgent one:
+    # two Celery processes, each a client of the worker's one vLLM engine core, each with half
+    # its four slots
+    import psutil
+
+    client = _client(fault_redis.url, prefix_routing=False)
+    env = {"VQUEUE_BULK_PROCESSES": "2", "VQUEUE_URGENT_CONCURRENCY": "0",
+           "VQUEUE_CONCURRENCY": "4"}  # fmt: skip
+    w = procs.worker("b2", "faults", VQUEUE_BROKER_URL=fault_redis.url, **env)
+    w.wait_ready(client.store.r)
+    lane = w.node.replace("@", "-bulk1@")
+    wait_for(lambda: lane in {x["name"] for x in client.store.workers(lanes=True)}, 180,
+             "the second bulk process")  # fmt: skip
+    shown = _cli("status", url=fault_redis.url).stdout.decode()
+    assert "1 live worker(s), 1 more bulk process(es)" in shown, shown
+    assert f"{lane}  bulk process of {w.node}" in shown, shown
+    tree = psutil.Process(w.proc.pid).children(recursive=True)
+    cores = [p for p in tree if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+    assert len(cores) == 1, [p.cmdline()[:3] for p in tree]
+
+    # When a batch comes, in messages of one job each (so that both consumers have some)
+    jobs = [{"id": f"b{i}", "type": "summarize", "text": f"Note {i}.", "max_tokens": 8}
+            for i in range(12)]  # fmt: skip
+    batch = Client(client.settings.model_copy(update={"jobs_per_message": 1})).submit_many(jobs)
+    # Then both processes ran jobs on the one engine, each job once
+    results = list(batch.results(timeout=300))
+    assert {r.status for r in results} == {"completed"}
+    assert {r.worker for r in results} == {w.node, lane}, {r.worker for r in results}
+    _exactly_once(client, batch.id, 12)
+    # and the worker stops with its lane and its engine
+    assert w.stop() == 0
+    wait_for(lambda: not any(_running(p) for p in tree), 30, "the lane and the engine")
+
+
 def _long_jobs(prefix: str, n: int, tokens: int, **extra: Any) -> list[dict[str, Any]]:
     return [{"id": f"{prefix}{i}", "type": "summarize", "text": f"Story number {i}.",
              "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True, **extra}

@@ -114,7 +114,7 @@ def main(
             os.environ["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
         env["VQUEUE_MAX_NUM_SEQS"] = str(device_max_num_seqs())
         ws = ws.model_copy(update={"max_num_seqs": int(env["VQUEUE_MAX_NUM_SEQS"])})
-    if s.urgent_concurrency:  # the urgent process's job metrics are served from this one's port
+    if s.urgent_concurrency or s.bulk_processes > 1:  # its lanes' metrics are served from here
         import tempfile
 
         env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vqueue-metrics-")
@@ -133,8 +133,8 @@ def main(
         # threads, not prefork: the engine lives in this process and vLLM must spawn children
         "--pool",
         "threads",
-        "--concurrency",
-        str(ws.worker_concurrency()),
+        "--concurrency",  # its share, where more bulk processes take the rest (worker.app.Lane)
+        str(ws.bulk_share()),
         # the shared queue; the worker adds its own and the urgent one (worker/app.py)
         "--queues",
         ws.queue,

@@ -360,33 +360,43 @@ app.conf.imports = ("worker.tasks",)
 
 def urgent_name(hostname: str) -> str:
     """``vqueue-gpu0@host`` -> ``vqueue-gpu0-urgent@host``: the worker's urgent process."""
+    return lane_name(hostname, "urgent")
+
+
+def lane_name(hostname: str, lane: str) -> str:
+    """``vqueue-gpu0@host`` -> ``vqueue-gpu0-<lane>@host``: one of the worker's lanes
+    (``urgent``, ``bulk1``, ...)."""
     name, at, host = hostname.partition("@")
-    return f"{name}-urgent{at}{host}"
+    return f"{name}-{lane}{at}{host}"
 
 
-class UrgentLane:
-    """The worker's urgent process: a Celery worker of its own (consumer, task threads,
-    tokenizer, heartbeat) that consumes ``<queue>.urgent`` alone, with
-    ``Settings.urgent_concurrency`` slots, as a second client of this worker's engine core.
+class Lane:
+    """A Celery process of the worker's own, a client of the worker's engine core: its
+    consumer, task threads, tokenizer and vLLM front end, under a GIL of its own.
 
-    A Celery consumer whose slots are all taken asks Redis for nothing, whatever waits there;
-    with bulk jobs filling the worker's share, this one still takes an urgent job at once, and
-    vLLM's priority scheduling runs it ahead of the bulk jobs waiting in the engine.
+    - The urgent lane consumes ``<queue>.urgent`` alone, with ``Settings.urgent_concurrency``
+      slots. A Celery consumer whose slots are all taken asks Redis for nothing, whatever
+      waits there; with bulk jobs filling the worker's share, this one still takes an urgent
+      job at once, and vLLM's priority scheduling runs it ahead of the bulk jobs waiting in
+      the engine.
+    - A bulk lane (``Settings.bulk_processes`` > 1) consumes what the worker does (the shared
+      queue, the worker's own and its models' queues) with its share of the concurrency.
 
-    It is started before the engine so that its imports overlap vLLM's load, and joins the
-    core when it is up. It exits when the worker dies (``watch_owner``), and the worker stops
-    it when it stops. One that dies is not started again: vLLM's engine core takes its
-    clients at its own start only. The worker consumes the urgent queue too, so urgent jobs
-    still run, within its share, until the worker restarts."""
+    A lane is started before the engine so that its imports overlap vLLM's load, and joins the
+    core when it is up. It exits when the worker dies (``watch_owner``), and the worker stops it
+    when it stops. One that dies is not started again: vLLM's engine core takes its clients at
+    its own start only; its jobs return after the visibility timeout, and the worker (which
+    consumes the urgent queue too) goes on taking them until it restarts."""
 
-    def __init__(self, worker: Any, address: Any) -> None:
-        self.name = urgent_name(worker.hostname)
+    def __init__(self, worker: Any, address: Any, lane: str, slots: int, tag: str = "") -> None:
+        self.name = lane_name(worker.hostname, tag or lane)
+        self.lane = lane
         self.stopping = threading.Event()
-        slots = settings.urgent_concurrency
+        queue = urgent_queue(settings.queue) if lane == "urgent" else settings.queue
         argv = [
             sys.executable, "-m", "celery", "-A", "worker.app", "worker",
             "--pool", "threads", "--concurrency", str(slots),
-            "--queues", urgent_queue(settings.queue),
+            "--queues", queue,
             "--hostname", self.name, "--loglevel", logging.getLevelName(worker.loglevel),
             *(["--task-events"] if settings.task_events else []),
             "--without-mingle", "--without-gossip",
@@ -396,13 +406,15 @@ class UrgentLane:
             VQUEUE_ENGINE_CLIENT=address.spell(),
             VQUEUE_URGENT_OF=worker.hostname,
             VQUEUE_URGENT_OWNER=str(os.getpid()),
+            VQUEUE_LANE=lane,
             VQUEUE_CONCURRENCY=str(slots),
-            VQUEUE_JOBS_PER_MESSAGE="1",
-            VQUEUE_METRICS_PORT="0",  # the worker serves the metrics of both
+            VQUEUE_METRICS_PORT="0",  # the worker serves the metrics of all its processes
         )
+        if lane == "urgent":
+            env["VQUEUE_JOBS_PER_MESSAGE"] = "1"
         self.proc = subprocess.Popen(argv, env=env)  # its log is this one's
-        log.info("urgent process %s started (pid %d)", self.name, self.proc.pid)
-        threading.Thread(target=self._watch, name="vqueue-urgent-watch", daemon=True).start()
+        log.info("%s process %s started (pid %d)", lane, self.name, self.proc.pid)
+        threading.Thread(target=self._watch, name=f"vqueue-{lane}-watch", daemon=True).start()
 
     def _watch(self) -> None:
         code = self.proc.wait()
@@ -411,10 +423,11 @@ class UrgentLane:
         from . import metrics
 
         metrics.process_gone(self.proc.pid)
+        alone = "urgent jobs are" if self.lane == "urgent" else "its queues' jobs are"
         log.error(
-            "urgent process %s exited (code %s); its jobs return after the visibility timeout, "
-            "and urgent jobs are taken by this process alone, within its share, until the "
-            "worker restarts", self.name, code,
+            "%s process %s exited (code %s); its jobs return after the visibility timeout, "
+            "and %s taken by this process alone, within its share, until the worker restarts",
+            self.lane, self.name, code, alone,
         )  # fmt: skip
 
     def stop(self) -> None:
@@ -429,7 +442,7 @@ class UrgentLane:
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            log.error("urgent process %d did not stop in time; killing it", self.proc.pid)
+            log.error("%s process %d did not stop in time; killing it", self.lane, self.proc.pid)
             self.proc.kill()
 
 
@@ -439,7 +452,7 @@ class _WorkerState:
     engine: Any = None
     name: str = ""
     metrics_url: str | None = None
-    urgent: UrgentLane | None = None
+    lanes: list[Lane] = []  # noqa: RUF012  # the worker's (one process-wide instance)
     stop = threading.Event()
     dying = False  # the engine is gone: jobs taken from here on go straight back
     slots = 0  # this process's Celery pool size, once its consumer is ready
@@ -540,26 +553,33 @@ def _say_sandbox() -> None:
 
 
 def _engine(engine_class: Any, worker: Any) -> Any:
-    """The worker's engine: the urgent process joins the worker's engine core; the worker
-    launches it for itself and its urgent process (started now, to import while vLLM loads),
-    where this vLLM lets two clients share one core (``compat.shared_core_missing``); an
-    engine stub (``Settings.engine_class``, queue tests) gets none of that."""
+    """The worker's engine: a lane joins the worker's engine core; the worker launches it for
+    itself and its lanes (started now, to import while vLLM loads), where this vLLM lets
+    clients share one core (``compat.shared_core_missing``); an engine stub
+    (``Settings.engine_class``, queue tests) gets none of that."""
     from .vllm_ext.client import CoreAddress
 
     if settings.engine_client:
         return engine_class(settings, join=CoreAddress.parse(settings.engine_client))
-    if not settings.urgent_concurrency or engine_class.__module__ != "worker.engine":
+    bulk = settings.bulk_processes
+    lanes = ["bulk"] * (bulk - 1) + (["urgent"] if settings.urgent_concurrency else [])
+    if not lanes or engine_class.__module__ != "worker.engine":
         return engine_class(settings)
     from .vllm_ext.compat import shared_core_missing
 
     if (reason := shared_core_missing()) is not None:
         log.error(
-            "no urgent process: %s; urgent jobs are taken by this process alone, within its "
-            "share (docs/vllm-compat.md)", reason,
+            "no %s process: %s; this process takes every job alone, urgent ones within its "
+            "share (docs/vllm-compat.md)", " or ".join(sorted(set(lanes))), reason,
         )  # fmt: skip
         return engine_class(settings)
-    addresses = CoreAddress.fresh(2)
-    state.urgent = UrgentLane(worker, addresses[1])
+    addresses = CoreAddress.fresh(1 + len(lanes))
+    share = settings.bulk_share()
+    for i, (lane, address) in enumerate(zip(lanes, addresses[1:], strict=True), start=1):
+        slots = settings.urgent_concurrency if lane == "urgent" else share
+        state.lanes.append(
+            Lane(worker, address, lane, slots, "" if lane == "urgent" else f"bulk{i}")
+        )
     return engine_class(settings, share=addresses)
 
 
@@ -567,7 +587,7 @@ def _engine(engine_class: Any, worker: Any) -> Any:
 def _add_queues(sender: Any = None, instance: Any = None, **_: Any) -> None:
     """Beside the queues it was started with (the shared one), the worker consumes:
 
-    - the urgent queue, which its urgent process (``UrgentLane``) consumes alone;
+    - the urgent queue, which its urgent process (``Lane``) consumes alone;
     - its own queue, ``<queue>@<worker>``, where producers route jobs by prefix
       (protocol/routing.py);
     - the queue of each name it serves, ``<queue>~<name>``, where jobs naming a model wait
@@ -575,11 +595,13 @@ def _add_queues(sender: Any = None, instance: Any = None, **_: Any) -> None:
 
     Added here, Celery's way (``celeryd_after_setup``), so that a worker started with plain
     ``celery -A worker.app worker`` consumes the queue its heartbeat advertises too."""
-    if instance is None or settings.urgent_of:
+    if instance is None or settings.lane == "urgent":
         return
     queues = instance.app.amqp.queues
-    queues.select_add(urgent_queue(settings.queue))
-    queues.select_add(worker_queue(settings.queue, str(sender or instance.hostname)))
+    if not settings.lane:  # a bulk lane consumes what its worker does, but the urgent queue
+        queues.select_add(urgent_queue(settings.queue))
+    owner = settings.urgent_of or str(sender or instance.hostname)
+    queues.select_add(worker_queue(settings.queue, owner))
     try:
         names = [*settings.served_names(), *settings.adapters()]
     except ValueError:  # a malformed adapter list: the engine's start says so (exit 10)
@@ -600,17 +622,18 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
 
 
 @signals.worker_shutting_down.connect
-def _stop_urgent(**_: Any) -> None:
-    if state.urgent is not None:  # it finishes its jobs while this process finishes its own
-        state.urgent.stop()
+def _stop_lanes(**_: Any) -> None:
+    for lane in state.lanes:  # each finishes its jobs while this process finishes its own
+        lane.stop()
 
 
 @signals.worker_shutdown.connect
 def _close_engine(**_: Any) -> None:
     state.stop.set()
-    if state.urgent is not None:
-        state.urgent.stop()
-        state.urgent.wait(settings.job_timeout_s + 30)
+    for lane in state.lanes:
+        lane.stop()
+    for lane in state.lanes:
+        lane.wait(settings.job_timeout_s + 30)
     from . import metrics
 
     shared = metrics.multiprocess_dir()
@@ -703,9 +726,10 @@ def _heartbeat() -> None:
             # consumes <queue>@<name>: producers may route jobs to it (the urgent process
             # consumes the urgent queue alone)
             "routed": not of,
-            # the worker whose engine this urgent process shares (UrgentLane); a registry
-            # entry with it set is a lane of that worker, not a worker of its own
+            # the worker whose engine this process shares (``Lane``), and which lane it is; a
+            # registry entry with it set is part of that worker, not a worker of its own
             "urgent_of": of or None,
+            "lane": settings.lane or None,
         }
         stats = getattr(e, "stats", None)
         if stats is not None:
