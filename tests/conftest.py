@@ -282,18 +282,16 @@ class Procs:
         self, name: str, url: str, delay: float, concurrency: int, queue: str = "faults", **env: str
     ) -> WorkerProc:
         """A worker on the FAKE engine (``tests/fake_engine.py``), for queue-mechanics tests."""
-        return self.worker(
-            name,
-            queue,
-            VQUEUE_BROKER_URL=url,
-            VQUEUE_ENGINE_CLASS="tests.fake_engine:FakeEngine",
-            VQUEUE_TEST_FAKE_DELAY_S=str(delay),
-            VQUEUE_CONCURRENCY=str(concurrency),
+        defaults = {
+            "VQUEUE_BROKER_URL": url,
+            "VQUEUE_ENGINE_CLASS": "tests.fake_engine:FakeEngine",
+            "VQUEUE_TEST_FAKE_DELAY_S": str(delay),
+            "VQUEUE_CONCURRENCY": str(concurrency),
             # short enough that a dead worker's jobs come back within the test
-            VQUEUE_VISIBILITY_TIMEOUT_S="8",
-            VQUEUE_JOB_TIMEOUT_S="5",
-            **env,
-        )
+            "VQUEUE_VISIBILITY_TIMEOUT_S": "8",
+            "VQUEUE_JOB_TIMEOUT_S": "5",
+        }
+        return self.worker(name, queue, **{**defaults, **env})
 
     def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
         kwargs.setdefault("cwd", WORKDIR)

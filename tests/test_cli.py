@@ -201,6 +201,10 @@ def test_ctrl_c_while_waiting_exits_130_and_says_how_to_wait_again(
          "--wait", "-q"],
         cwd=WORKDIR, env=worker_env("waits-forever", VQUEUE_BROKER_URL=cli.url),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        # as from a terminal: a SIGINT this test process ignores (some library it imported may
+        # have set that) would be ignored by the child too, and Python would never raise
+        # KeyboardInterrupt there
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     batch = wait_for(lambda: proc.stdout.readline().decode().strip(), 60, "the batch id")  # type: ignore[union-attr]
     # When it is interrupted, Then it exits 130, naming the command that waits again

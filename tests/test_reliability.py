@@ -754,7 +754,9 @@ def test_waiting_says_when_nothing_will_come(procs: Procs, fault_redis: RedisSer
     assert _client(fault_redis.url).batch(batch).status().remaining == 3
     # Given a live worker whose jobs never finish, `results --wait` gives up after
     # VQUEUE_WAIT_STALL_S without a new result
-    w = procs.fake_worker("slow", fault_redis.url, delay=600.0, concurrency=4)
+    # (jobs that outlast the wait: a 5 s job timeout could end them first on a slow host)
+    slow = {"VQUEUE_JOB_TIMEOUT_S": "120", "VQUEUE_VISIBILITY_TIMEOUT_S": "300"}
+    w = procs.fake_worker("slow", fault_redis.url, delay=600.0, concurrency=4, **slow)
     w.wait_ready(redis.Redis.from_url(fault_redis.url), timeout=120)
     proc = _cli("results", batch, "--wait", url=fault_redis.url, VQUEUE_WAIT_STALL_S="3")
     assert proc.returncode == 8 and b"no new result for" in proc.stderr, proc.stderr
@@ -1385,7 +1387,13 @@ def test_bad_input_suite(worker: WorkerProc, redis_client: redis.Redis, tmp_path
     # the good jobs complete (role markers and an escaped NUL are just text), the prompt over the
     # context fails on its own, every job has one result, and the worker never restarted
     done = {x["id"]: x for x in map(json.loads, out.read_text().splitlines())}
-    failed = [x for x in map(json.loads, err.read_text().splitlines()) if x.get("status")]
+    # the errors file holds both, each a failed result (these are vqueue lines): the lines
+    # refused at submit, invalid_job, and the jobs that failed at the worker
+    written = [json.loads(x) for x in err.read_text().splitlines()]
+    refused = [x for x in written if x["error"]["type"] == "invalid_job"]
+    failed = [x for x in written if x["error"]["type"] != "invalid_job"]
+    assert len(refused) == bad and all(x["status"] == "failed" for x in written)
+    assert all(x["error"]["message"].startswith(f"line {x['line']}: ") for x in refused)
     assert {"good1", "nulok", "inject", "good2"} <= set(done)
     assert [(f["id"], f["error"]["type"]) for f in failed if f["id"] == "toolong"] == [
         ("toolong", "prompt_too_long")
