@@ -396,6 +396,7 @@ def submit(
                     client.store.seal(batch, rejected=rejected)
                 outcome["error"] = exc
             finally:
+                bar.close()  # the input is read: its bar ends now, not after the wait
                 started.set()
 
         def feed_failed() -> None:
@@ -556,7 +557,10 @@ def _resume_at(client: Any, batch: str, source: str) -> int:
 def _bar(quiet: bool, **kw: Any) -> Any:
     from tqdm import tqdm
 
-    return tqdm(file=sys.stderr, disable=quiet, dynamic_ncols=True, mininterval=0.5, **kw)
+    # off a terminal (a log, a pipe) no bar: its redraws would interleave with error lines
+    return tqdm(
+        file=sys.stderr, disable=True if quiet else None, dynamic_ncols=True, mininterval=0.5, **kw
+    )
 
 
 def _write_result(res: JobResult, out: IO[str] | None, errors: IO[str] | None) -> None:
@@ -937,8 +941,9 @@ def _fit(text: str, cols: int, pad: bool = True) -> str:
 
 
 def render_table(rows: list[JobResult], width: int = 60) -> str:
-    """One line per job: what it was, how it ended, how long it took, what it said; columns
-    counted in terminal cells, so Chinese or Japanese text keeps them aligned."""
+    """One line per job: what it was, how it ended (``completed*``: answered from the result
+    cache, ``cached_from`` names the run), how long it took, what it said; columns counted in
+    terminal cells, so Chinese or Japanese text keeps them aligned."""
     head = f"{'id':<12} {'type':<10} {'status':<10} {'tokens':>6} {'secs':>6}  output"
     lines = [head, "-" * (len(head) + width - 6)]
     for r in rows:
@@ -951,10 +956,13 @@ def render_table(rows: list[JobResult], width: int = 60) -> str:
         else:
             shown = r.code if r.code is not None else (r.text or "")
         shown = _fit(" ".join(shown.split()), width, pad=False)
+        status = f"{r.status}*" if r.cached else r.status
         lines.append(
-            f"{_fit(r.id, 12)} {r.type:<10} {r.status:<10} "
+            f"{_fit(r.id, 12)} {r.type:<10} {status:<10} "
             f"{r.usage.completion_tokens:>6} {secs:>6.1f}  {shown}"
         )
+    if any(r.cached for r in rows):
+        lines.append("* answered from the result cache (its result's cached_from names the run)")
     return "\n".join(lines)
 
 

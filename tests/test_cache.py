@@ -90,6 +90,9 @@ def test_a_determined_job_is_answered_from_the_cache_the_second_time(
     assert (again.cached_from.batch, again.cached_from.id) == (first.batch, "a1")
     assert again.text == first.text and again.usage == first.usage
     assert again.id == "a2" and again.timings.first_token_at is None  # no engine this time
+    # and `vqueue results --table` marks the cached answer, and says what the mark means
+    table = run_cli("results", again.batch, "--table", queue=Q).stdout.decode()
+    assert "completed*" in table and "answered from the result cache" in table, table
 
 
 @pytest.mark.engine

@@ -727,10 +727,13 @@ def test_quotas_on_files_open_batches_and_open_jobs(module_procs: Procs, tmp_pat
 
 @pytest.mark.parametrize("name", ["", "a b", "x@y", "vqueue.urgent", "*", "q:9"])
 def test_a_queue_name_that_could_reach_another_queue_is_refused(name: str) -> None:
-    # `<queue>.urgent`, `<queue>@<worker>` and `<queue>:<step>` are other queues' lists
+    # `<queue>.urgent`, `<queue>@<worker>` and `<queue>:<step>` are other queues' lists; the
+    # error names the option the name came in, and (where it is the pattern) the rule in words
     proc = run_cli("--queue", name, "status", "nobatch", timeout=60)
     stderr = proc.stderr.decode()
-    assert proc.returncode == 2 and "VQUEUE_QUEUE" in stderr, stderr
+    assert proc.returncode == 2 and "--queue: " in stderr and "[A-Za-z" not in stderr, stderr
+    env = run_cli("status", "nobatch", timeout=60, VQUEUE_QUEUE=name).stderr.decode()
+    assert "VQUEUE_QUEUE: " in env, env
     assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
 
 

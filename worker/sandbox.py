@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -207,10 +208,26 @@ def run_tests(code: str, tests: str, entry_point: str | None, settings: Settings
             why = {"SIGXCPU": "its CPU time ran out", "SIGXFSZ": "it wrote past its output limit",
                    "SIGKILL": "killed"}.get(name, name)  # fmt: skip
             return TestRun(outcome="killed", seconds=seconds, detail=f"{name}: {why}")
-        return TestRun(outcome="failed", seconds=seconds,
-                       detail=(last or f"exit code {code_}")[:DETAIL_CHARS])  # fmt: skip
+        detail = (last or f"exit code {code_}") + _failing_line(tail)
+        return TestRun(outcome="failed", seconds=seconds, detail=detail[:DETAIL_CHARS])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+_FRAME = re.compile(r'^\s*File "(?:.*/)?program\.py", line (\d+)')
+
+
+def _failing_line(output: str) -> str:
+    """Where in the program a traceback ended, and its source line: `` at line 12: assert
+    add(1, 1) == 3``; a bare ``AssertionError`` says nothing of which assert failed."""
+    lines = output.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if (m := _FRAME.match(lines[i])) is not None:
+            source = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            if source.startswith("File ") or source.startswith("^"):
+                source = ""
+            return f" at line {m.group(1)}" + (f": {source}" if source else "")
+    return ""
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
