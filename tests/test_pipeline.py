@@ -104,12 +104,13 @@ def test_codegen_answers_run_against_their_tests_until_one_passes(
         tests="assert add(2, 3) == 5\nassert add(-1, 1) == 0",
         max_attempts=4,
     )
+    impossible = "assert False, 'no answer passes this'"
     never = CodegenJob(
         type="codegen",
         id="cg-never",
         instruction=instruction,
         max_tokens=96,
-        tests="assert False, 'no answer passes this'",
+        tests=impossible,
         max_attempts=2,
         seed=5,
     )
@@ -126,8 +127,8 @@ def test_codegen_answers_run_against_their_tests_until_one_passes(
     assert bad.status == "failed" and bad.error and bad.error.type == "tests_failed", bad
     runs = bad.tests.attempts if bad.tests else []
     assert [(a.n, a.outcome, a.detail) for a in runs] == [
-        (1, "failed", "AssertionError: no answer passes this"),
-        (2, "failed", "AssertionError: no answer passes this"),
+        (1, "failed", f"AssertionError: no answer passes this in `{impossible}`"),
+        (2, "failed", f"AssertionError: no answer passes this in `{impossible}`"),
     ], runs
     assert (runs[0].seed, runs[1].seed, runs[1].temperature) == (5, 6, 0.8), runs
     # and the worker's metrics count them for pass@1 and pass@k

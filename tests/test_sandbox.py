@@ -44,11 +44,10 @@ def test_a_right_answer_passes_its_tests(code: str, tests: str, entry_point: str
 def test_a_wrong_answer_fails_with_its_error_line() -> None:
     run = run_tests(ADD.replace("+", "-"), "assert add(2, 3) == 5, 'add(2, 3) is 5'", None, LIMITS)
     assert run.outcome == "failed" and run.detail, run
-    assert run.detail.startswith("AssertionError: add(2, 3) is 5 at line "), run
+    assert run.detail.startswith("AssertionError: add(2, 3) is 5 in `assert add(2, 3) =="), run
     # and a bare assert names the line that failed, not only AssertionError
     bare = run_tests(ADD.replace("+", "-"), "assert add(2, 3) == 5", None, LIMITS)
-    assert bare.detail and bare.detail.startswith("AssertionError at line "), bare
-    assert bare.detail.endswith(": assert add(2, 3) == 5"), bare
+    assert bare.detail == "AssertionError in `assert add(2, 3) == 5`", bare
     broken = run_tests("def add(a, b:\n    pass", "assert add(1, 1) == 2", None, LIMITS)
     assert broken.outcome == "failed" and broken.detail.startswith("SyntaxError"), broken
 

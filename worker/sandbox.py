@@ -218,15 +218,16 @@ _FRAME = re.compile(r'^\s*File "(?:.*/)?program\.py", line (\d+)')
 
 
 def _failing_line(output: str) -> str:
-    """Where in the program a traceback ended, and its source line: `` at line 12: assert
-    add(1, 1) == 3``; a bare ``AssertionError`` says nothing of which assert failed."""
+    """The program's source line a traceback ended on: `` in `assert add(1, 1) == 3` ``; a bare
+    ``AssertionError`` says nothing of which assert failed. (Its line number would count the
+    answer's lines too, which differ from one answer to the next.)"""
     lines = output.splitlines()
     for i in range(len(lines) - 1, -1, -1):
-        if (m := _FRAME.match(lines[i])) is not None:
+        if _FRAME.match(lines[i]) is not None:
             source = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            if source.startswith("File ") or source.startswith("^"):
-                source = ""
-            return f" at line {m.group(1)}" + (f": {source}" if source else "")
+            if not source or source.startswith(("File ", "^")):
+                return ""
+            return f" in `{source}`"
     return ""
 
 
