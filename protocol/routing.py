@@ -45,7 +45,7 @@ def model_queue(queue: str, model: str) -> str:
 def urgent_queue(queue: str) -> str:
     """Where jobs at ``Settings.urgent_priority`` or above wait: every worker on ``queue``
     consumes it beside its other queues, and each worker's urgent process consumes it alone,
-    with slots beyond the worker's share of bulk jobs (worker/app.py: ``UrgentLane``)."""
+    with slots beyond the worker's share of bulk jobs (worker/app.py: ``Lane``)."""
     return f"{queue}.urgent"
 
 

@@ -180,9 +180,9 @@ class Settings(BaseSettings):
     # Where this vLLM cannot share its core (compat's shared-core gate) one runs, with its
     # share of the concurrency, and says so.
     bulk_processes: int = Field(default=1, ge=1, le=16)
-    # set by a worker for its urgent process (internal): its engine core's addresses for that
-    # client (worker.vllm_ext.client.CoreAddress), its name, and its pid (the urgent process
-    # exits when it is gone)
+    # set by a worker for each of its lanes (internal; worker.app.Lane): its engine core's
+    # addresses for that client (worker.vllm_ext.client.CoreAddress), the worker's name, and
+    # its pid (the lane exits when it is gone)
     engine_client: str = ""
     urgent_of: str = ""
     urgent_owner: int = 0

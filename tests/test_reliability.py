@@ -874,6 +874,20 @@ def test_an_urgent_process_whose_worker_died_while_it_started_exits() -> None:
     assert b"is gone" in proc.stderr, proc.stderr.decode()[-2000:]
 
 
+def _worker_with_lane(
+    procs: Procs, url: str, name: str, lane: str, env: dict[str, str]
+) -> tuple[Client, Any, str]:
+    """(a client, a real worker on queue "faults" with ``env``, its lane's node name) once the
+    lane (``urgent``, ``bulk1``, ...) has joined the worker's engine core and registered."""
+    client = _client(url, prefix_routing=False)  # every job on the shared queue
+    w = procs.worker(name, "faults", VQUEUE_BROKER_URL=url, **env)
+    w.wait_ready(client.store.r)
+    node = w.node.replace("@", f"-{lane}@")
+    wait_for(lambda: node in {x["name"] for x in client.store.workers(lanes=True)}, 180,
+             f"the {lane} process")  # fmt: skip
+    return client, w, node
+
+
 @pytest.mark.engine
 def test_more_bulk_processes_share_the_workers_engine_core_and_each_takes_jobs(
     procs: Procs, fault_redis: RedisServer
@@ -883,14 +897,9 @@ def test_more_bulk_processes_share_the_workers_engine_core_and_each_takes_jobs(
     # its four slots
     import psutil
 
-    client = _client(fault_redis.url, prefix_routing=False)
     env = {"VQUEUE_BULK_PROCESSES": "2", "VQUEUE_URGENT_CONCURRENCY": "0",
            "VQUEUE_CONCURRENCY": "4"}  # fmt: skip
-    w = procs.worker("b2", "faults", VQUEUE_BROKER_URL=fault_redis.url, **env)
-    w.wait_ready(client.store.r)
-    lane = w.node.replace("@", "-bulk1@")
-    wait_for(lambda: lane in {x["name"] for x in client.store.workers(lanes=True)}, 180,
-             "the second bulk process")  # fmt: skip
+    client, w, lane = _worker_with_lane(procs, fault_redis.url, "b2", "bulk1", env)
     shown = _cli("status", url=fault_redis.url).stdout.decode()
     assert "1 live worker(s), 1 more bulk process(es)" in shown, shown
     assert f"{lane}  bulk process of {w.node}" in shown, shown
@@ -1000,14 +1009,9 @@ def test_a_killed_urgent_process_loses_no_job_and_its_worker_carries_on(
     # Given a real worker whose urgent process is running urgent jobs
     import psutil
 
-    client = _client(fault_redis.url, prefix_routing=False)
     env = {"VQUEUE_VISIBILITY_TIMEOUT_S": "20", "VQUEUE_JOB_TIMEOUT_S": "15",
            "VQUEUE_CONCURRENCY": "2"}  # fmt: skip
-    w = procs.worker("uk", "faults", VQUEUE_BROKER_URL=fault_redis.url, **env)
-    w.wait_ready(client.store.r)
-    urgent = w.node.replace("@", "-urgent@")
-    wait_for(lambda: urgent in {x["name"] for x in client.store.workers(lanes=True)}, 180,
-             "the urgent process")  # fmt: skip
+    client, w, urgent = _worker_with_lane(procs, fault_redis.url, "uk", "urgent", env)
     bulk = client.submit_many(_long_jobs("b", 4, 96)).id
     wait_for(lambda: _in_flight(client, bulk) >= 2, 60, "the worker's share to fill")
     fast = client.submit_many(_long_jobs("u", 4, 96, priority=9)).id

@@ -6,10 +6,11 @@ sends them to the engine core over vLLM's own ZMQ, and turns each step's outputs
 Nothing of vqueue's own sits between a task and vLLM: a request is one
 ``call_soon_threadsafe`` onto the loop, and its answer one ``Future.set_result`` back.
 
-Two Celery processes may share one engine core, as ``vllm serve --api-server-count 2`` runs
-(``AsyncLLM(client_addresses=, client_count=, client_index=)``): the worker's process launches
-the core with one pair of ZMQ addresses per client (``share``) and is its client 0; the urgent
-process (``worker.app.UrgentLane``) joins as client 1 with its pair (``CoreAddress``). Each
+Several Celery processes may share one engine core, as ``vllm serve --api-server-count N``
+runs (``AsyncLLM(client_addresses=, client_count=, client_index=)``): the worker's process
+launches the core with one pair of ZMQ addresses per client (``share``) and is its client 0;
+each of its lanes (``worker.app.Lane``: more bulk processes, the urgent process) joins as the
+next client with its pair (``CoreAddress``). Each
 client gets only the outputs of its own requests. The launch is vLLM's ``launch_core_engines``,
 whose signature differs between the releases in ``compat.VERIFIED["shared-core"]``; elsewhere
 the worker runs one client and takes urgent jobs itself (``compat.shared_core_missing``).
@@ -90,7 +91,7 @@ class Output:
 @dataclass(frozen=True)
 class CoreAddress:
     """One client's pair of ZMQ addresses on a shared engine core, and its place among them:
-    what the worker hands its urgent process (``Settings.engine_client``)."""
+    what the worker hands each of its lanes (``Settings.engine_client``)."""
 
     input: str
     output: str

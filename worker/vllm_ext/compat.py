@@ -342,8 +342,8 @@ def log_missing(p: Plan, where: logging.Logger = log) -> None:
 
 def shared_core_missing(version: str | None = None) -> str | None:
     """Why two Celery processes cannot share this vLLM's engine core (None: they can). Where
-    they cannot, the worker runs one client and takes its urgent jobs itself, and logs this
-    once as an ERROR (``worker.app.UrgentLane``)."""
+    they cannot, the worker runs one client and takes every job itself, urgent ones included,
+    and logs this once as an ERROR (``worker.app._engine``)."""
     return why_not("shared-core", version if version is not None else vllm_version())
 
 
