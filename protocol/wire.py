@@ -22,6 +22,8 @@ import redis
 
 from schemas import Envelope
 
+from .scripts import source
+
 # kombu's Redis transport keeps one list per priority step: ``queue`` for step 0, else
 # ``queue<SEP><step>``. The worker's broker_transport_options must use the same separator.
 PRIORITY_SEP = ":"
@@ -176,36 +178,11 @@ def send_envelopes(broker: redis.Redis, envelopes: list[Envelope], queue: str) -
     push(broker, frames(envelopes, queue))
 
 
-# Jobs in a queue's lists: each envelope of a message's body opens with {\"job\": (the
-# envelope's JSON inside the body's JSON string; the same text inside a job's own strings is
-# escaped once more, so it cannot match), and a message without one (another sender's) is one
-# job. A list longer than ARGV[1] messages is counted from its oldest ones, scaled to its
-# length, so that a deep queue costs Redis a bounded read.
-_DEPTH = r"""
-local total = 0
-for _, key in ipairs(KEYS) do
-  local n = redis.call('LLEN', key)
-  if n > 0 then
-    local seen = math.min(n, tonumber(ARGV[1]))
-    local jobs = 0
-    for _, m in ipairs(redis.call('LRANGE', key, -seen, -1)) do
-      local k, at = 0, 1
-      while true do
-        local s = string.find(m, '{\\"job\\":', at, true)
-        if not s then break end
-        k, at = k + 1, s + 8
-      end
-      jobs = jobs + math.max(k, 1)
-    end
-    total = total + jobs * n / seen
-  end
-end
-return math.floor(total + 0.5)
-"""
+# the depth.lua script counts a queue's jobs
 DEPTH_READ = 256  # messages a list read at most; a longer one's count is an estimate
 
 
 def queue_depth(client: redis.Redis, queue: str) -> int:
     """Jobs waiting in ``queue`` (not those a worker has reserved), packs counted by their
     jobs: exact up to ``DEPTH_READ`` messages a priority list, then estimated."""
-    return int(client.eval(_DEPTH, len(PRIORITY_STEPS), *queue_keys(queue), DEPTH_READ))
+    return int(client.eval(source("depth"), len(PRIORITY_STEPS), *queue_keys(queue), DEPTH_READ))
