@@ -31,6 +31,8 @@ from typing import Any
 
 import redis
 from pydantic import ValidationError
+from redis.exceptions import LockError
+from redis.lock import Lock
 
 from protocol.store import BatchStore, refused_for_memory
 from schemas import (
@@ -371,10 +373,13 @@ class ApiStore:
     def feed(self, bid: str, ttl_s: float = 30.0) -> Iterator[threading.Event | None]:
         """The right to check and submit the batch's input, held by one server process at a
         time: None when another holds it. A thread renews it while held, so it lapses only when
-        its process dies, and another process's sweep (``Batches.advance``) resumes the feed.
-        The event is set when the batch is gone from Redis (deleted, FLUSHALL): stop then."""
-        key, token = f"{self.p}:feed:{bid}", secrets.token_hex(8)
-        if not self.r.set(key, token, nx=True, px=int(ttl_s * 1000)):
+        its process dies (or stalls past ``ttl_s``), and another process's sweep
+        (``Batches.advance``) resumes the feed. The event is set when the batch is gone from
+        Redis (deleted, FLUSHALL) or the lease was lost: stop then. A redis-py ``Lock``: its
+        token is checked by a script on every renewal and release, so a holder whose lease
+        lapsed can neither renew nor release the next holder's."""
+        lease = self._lease(f"{self.p}:feed:{bid}", ttl_s)
+        if lease is None:
             yield None
             return
         gone, done = threading.Event(), threading.Event()
@@ -382,10 +387,13 @@ class ApiStore:
         def renew() -> None:
             while not done.wait(ttl_s / 3):
                 try:
-                    if not self.r.exists(f"{self.p}:batch:{bid}") or self.r.get(key) != token:
+                    if not self.r.exists(f"{self.p}:batch:{bid}"):
                         gone.set()
                         return
-                    self.r.pexpire(key, int(ttl_s * 1000))
+                    lease.reacquire()
+                except LockError:  # it lapsed, and may be another's now
+                    gone.set()
+                    return
                 except redis.RedisError:  # away for a moment: the lease has ttl_s to spare
                     continue
 
@@ -394,27 +402,31 @@ class ApiStore:
             yield gone
         finally:
             done.set()
-            with contextlib.suppress(redis.RedisError):
-                if self.r.get(key) == token:
-                    self.r.delete(key)
-
-    def hold(self, bid: str, ttl_s: int = LOCK_S) -> None:
-        """Renew the batch's lock, held by this process (``lock``), for another ``ttl_s``."""
-        self.r.expire(f"{self.p}:lock:{bid}", ttl_s)
+            _release(lease)
 
     @contextlib.contextmanager
-    def lock(self, bid: str, ttl_s: int = LOCK_S) -> Iterator[bool]:
-        """One server process moves a batch at a time (several may serve one Redis). Short,
-        so that a process killed while it holds it stops the batch only that long: work
-        under it that may last longer renews it (``hold``)."""
-        key = f"{self.p}:lock:{bid}"
-        token = secrets.token_hex(8)
-        got = bool(self.r.set(key, token, nx=True, ex=ttl_s))
+    def lock(self, bid: str, ttl_s: int = LOCK_S) -> Iterator[Lock | None]:
+        """One server process moves a batch at a time (several may serve one Redis): the lease,
+        or None when another process holds it. Short, so that a process killed while it holds
+        it stops the batch only that long: work under it that may last longer renews it
+        (``Lock.reacquire``, which raises ``LockError`` once the lease is no longer this
+        process's, and the work stops)."""
+        lease = self._lease(f"{self.p}:lock:{bid}", ttl_s)
         try:
-            yield got
+            yield lease
         finally:
-            if got and self.r.get(key) == token:
-                self.r.delete(key)
+            if lease is not None:
+                _release(lease)
+
+    def _lease(self, key: str, ttl_s: float) -> Lock | None:
+        lease = self.r.lock(key, timeout=ttl_s, blocking=False, thread_local=False)
+        return lease if lease.acquire() else None
+
+
+def _release(lease: Lock) -> None:
+    """Give a lease back; one that lapsed (and may be another's) is left alone."""
+    with contextlib.suppress(LockError, redis.RedisError):
+        lease.release()
 
 
 CANCEL_GRACE_S = 30  # a cancelled batch's queued jobs left to the workers this long
@@ -718,7 +730,8 @@ class Batches:
             # results leave Redis as they arrive
             with self.store.lock(bid) as mine:
                 if mine:
-                    self._drain(b, budget_s=DRAIN_BUDGET_S)
+                    with contextlib.suppress(LockError):  # lapsed: another process drains it
+                        self._drain(b, mine, budget_s=DRAIN_BUDGET_S)
         if b.status == "validating" or self._unfed(b):
             return self.store.live(self._sweep(tenant, b))
         st = self.store.batches.status(bid)
@@ -741,7 +754,10 @@ class Batches:
             if not mine:
                 return b.model_copy(update=changes)
             self._update(tenant, bid, status="finalizing", finalizing_at=now, **changes)
-            out, err = self._write_outputs(tenant, b)
+            try:
+                out, err = self._write_outputs(tenant, b, mine)
+            except LockError:  # the lease lapsed mid-write: its next holder ends the batch
+                return b.model_copy(update=changes)
             # how it ended is what was withdrawn, if anything: the first of cancel and expiry;
             # else failed if submission stopped early (what did run is in the files)
             why = self.store.batches.withdrawn(bid)
@@ -809,13 +825,16 @@ class Batches:
         self.feeder.feed(tenant, b.id)
         return b
 
-    def _drain(self, b: BatchObject, budget_s: float | None = None) -> dict[str, str]:
+    def _drain(self, b: BatchObject, lease: Lock, budget_s: float | None = None) -> dict[str, str]:
         """Append the batch's results recorded since the last call to its output and error
         files (OpenAI's lines, or vqueue's for ``/v1/vqueue/jobs``), then let them leave Redis:
         Redis holds a batch's results only until they are on disk here. The files' lengths and
         the last result written are recorded together after each write, and a call cut short
         (its process killed) is undone by cutting the files back to the recorded lengths, so
-        every result is written once. The caller holds the batch's lock (``ApiStore.lock``).
+        every result is written once. The caller holds the batch's lock (``ApiStore.lock``),
+        ``lease``, renewed after each page: once it is no longer this process's, the drain
+        stops (``LockError``) before it writes again, and the next holder's cut undoes a page
+        half written.
         ``budget_s``: stop after this long even if more results wait (the mover serves every
         batch in turn); None: until none is left. Returns the state: file ids, counts, sizes."""
         key = f"{self.store.p}:out:{b.id}"
@@ -853,7 +872,7 @@ class Batches:
                     state[f"{k}_n"] = str(int(state[f"{k}_n"]) + counts[k])
                 self.store.r.hset(key, mapping=state)
                 self.store.batches.take(b.id, state["after"])
-                self.store.hold(b.id)
+                lease.reacquire()
                 if budget_s is not None and time.monotonic() - started > budget_s:
                     break
                 page = self.store.batches.read(b.id, state["after"], count=1000)
@@ -862,10 +881,12 @@ class Batches:
                 fh.close()
         return state
 
-    def _write_outputs(self, tenant: str, b: BatchObject) -> tuple[str | None, str | None]:
+    def _write_outputs(
+        self, tenant: str, b: BatchObject, lease: Lock
+    ) -> tuple[str | None, str | None]:
         """The output and error files, whole (``_drain``), registered as the tenant's files;
         one that got no line is removed."""
-        state = self._drain(b)
+        state = self._drain(b, lease)
         names = {"ok": f"{b.id}_output.jsonl", "err": f"{b.id}_error.jsonl"}
         got: dict[str, str | None] = {}
         after = b.output_expires_after

@@ -890,3 +890,53 @@ def test_a_check_that_cannot_start_refuses_the_schema_and_is_not_remembered() ->
         assert checker.problem(text) is None
     finally:
         checker.close()
+
+
+def test_two_servers_never_both_hold_a_batchs_feed_or_its_lock() -> None:
+    import uuid
+
+    from redis.exceptions import LockError
+
+    from producer.api import ApiStore
+
+    from .conftest import KEY_PREFIX, make_settings
+
+    # Given two server processes' stores on one Redis, and a batch there
+    settings = make_settings(key_prefix=f"{KEY_PREFIX}-lease-{uuid.uuid4().hex[:6]}")
+    one, two = ApiStore(settings), ApiStore(settings)
+    one.r.hset(f"{one.p}:batch:b1", "total", 0)
+
+    # When the first holds the feed for twice its lease's length (renewed as it runs)
+    first_feed = one.feed("b1", ttl_s=0.6)
+    first = first_feed.__enter__()
+    assert first is not None
+    until = time.monotonic() + 1.2
+    while time.monotonic() < until:
+        assert one.feeding("b1") and not first.is_set()
+        with two.feed("b1", ttl_s=0.6) as second:
+            assert second is None  # Then the second never gets it
+        time.sleep(0.1)
+    # When the first one's lease lapses (its process stalled) and the second takes it
+    one.r.pexpire(f"{one.p}:feed:b1", 1)
+    wait_for(lambda: not one.feeding("b1"), 5, "the lapse")
+    second_feed = two.feed("b1", ttl_s=30)
+    assert second_feed.__enter__() is not None
+    # Then the first is told to stop, and its leaving leaves the second's lease alone
+    wait_for(first.is_set, 5, "the first feed told its lease is gone")
+    first_feed.__exit__(None, None, None)
+    assert one.feeding("b1")
+    second_feed.__exit__(None, None, None)
+    assert not one.feeding("b1")
+
+    # The batch's lock: one holder; a holder whose lease lapsed cannot renew the next one's
+    with one.lock("b1", ttl_s=30) as mine:
+        assert mine is not None
+        with two.lock("b1") as theirs:
+            assert theirs is None
+        one.r.pexpire(f"{one.p}:lock:b1", 1)
+        wait_for(lambda: not one.r.exists(f"{one.p}:lock:b1"), 5, "the lapse")
+        with two.lock("b1") as theirs:
+            assert theirs is not None
+            with pytest.raises(LockError):
+                mine.reacquire()
+        assert not one.r.exists(f"{one.p}:lock:b1")  # the second gave its own back
