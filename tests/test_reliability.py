@@ -782,7 +782,8 @@ def test_the_job_timeout_covers_the_json_retry() -> None:
     import vllm.sampling_params  # noqa: F401  # imported before the clock starts
 
     from schemas import Envelope, Settings
-    from worker.engine import Generation, JobTimeout
+    from worker.engine import Generation
+    from worker.errors import JobTimeout
     from worker.runner import run_job
 
     limits: list[float] = []
@@ -1129,7 +1130,8 @@ def test_an_output_with_a_huge_integer_is_invalid_json_not_a_crash() -> None:
     # the worker's JSON check and lost the job
     from schemas import JobResult, Timings
     from schemas.jobs import ChatJob
-    from worker.runner import JobFailed, _read_output
+    from worker.errors import JobFailed
+    from worker.runner import _read_output
 
     job = ChatJob.model_validate({"type": "chat", "json_object": True,
                                   "messages": [{"role": "user", "content": "n"}]})  # fmt: skip

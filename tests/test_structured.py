@@ -241,18 +241,19 @@ def test_grammar_compilation_is_bounded_and_remembered() -> None:
     # Given the worker's grammar check on the real tokenizer, with a limit no compile can meet
     from transformers import AutoTokenizer
 
+    from worker.errors import JobFailed
     from worker.models import resolve_model
-    from worker.structured import GrammarCheck, SchemaRefused
+    from worker.structured import GrammarCheck
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
     check = GrammarCheck(tok, timeout_s=1e-9)
     slow = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]{3,9}$"}}}
-    with pytest.raises(SchemaRefused) as first:
+    with pytest.raises(JobFailed) as first:
         check.check(slow)
     # Then the job fails with schema_compile_timeout, and the schema's next job fails at once
     # from the cache (the worker is never held up by it)
     assert first.value.type == "schema_compile_timeout"
-    with pytest.raises(SchemaRefused, match="did not compile within"):
+    with pytest.raises(JobFailed, match="did not compile within"):
         check.check(dict(slow))
     # while a check with room, warmed as a starting worker's is, compiles a schema once and
     # remembers it compiles (the room is wide: a loaded two-core host runs the first check's
@@ -381,7 +382,8 @@ def test_a_looping_extraction_is_ended_at_the_loop_and_retried(
 def test_a_json_job_that_loops_every_time_fails_as_loop_with_its_text() -> None:
     # Given the last attempt of an extraction ended by the engine's loop check
     from schemas import Envelope, ExtractJob, JobResult, Timings
-    from worker.runner import JobFailed, _read_output
+    from worker.errors import JobFailed
+    from worker.runner import _read_output
 
     job = ExtractJob(type="extract", text="t", json_schema={"type": "object"})
     env = Envelope(job=job, batch="b", enqueued_at=0.0)

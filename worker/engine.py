@@ -30,11 +30,12 @@ from .confidence import (
     marker_token,
     request_args,
 )
+from .errors import EngineDead, EngineError, JobTimeout, JobWithdrawn
 from .metrics import EngineStats
 from .models import resolve_model
 from .prompts import PromptTokenizer
 from .structured import ToolCallReader
-from .vllm_ext.client import CoreAddress, EngineClient, EngineDead, EngineError, Output
+from .vllm_ext.client import CoreAddress, EngineClient, Output
 from .vllm_ext.compat import Plan
 from .vllm_ext.configure import (
     IN_ENGINE_MONITOR,
@@ -47,19 +48,6 @@ from .vllm_ext.configure import (
 log = logging.getLogger(__name__)
 
 __all__ = ["ConfigError", "EngineDead", "EngineError", "EngineHost", "Generation"]
-
-
-class JobTimeout(RuntimeError):
-    """The request was still running after ``job_timeout_s``; it was aborted in the engine."""
-
-
-class JobWithdrawn(RuntimeError):
-    """The job's batch was cancelled, or its completion window ended, while it generated; the
-    request was aborted in the engine. ``reason``: ``cancelled`` or ``expired``."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"aborted in the engine: its batch was {reason} while it generated")
-        self.reason = reason
 
 
 @dataclass(frozen=True)

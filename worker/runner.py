@@ -41,12 +41,12 @@ from schemas.results import FunctionCall, TestAttempt, TestReport, ToolCall
 from . import metrics
 from .cache import IDENTITY_FIELDS, ResultCache, determined
 from .confidence import Monitor
-from .engine import EngineError, EngineHost, Generation, JobTimeout, JobWithdrawn
+from .engine import EngineHost, Generation
+from .errors import EngineError, JobFailed, JobTimeout, JobWithdrawn
 from .prompts import build_messages, clean, clean_instruction, extract_code, special_token_in
 from .sandbox import run_tests, sandbox_problem
 from .structured import (
     GrammarCheck,
-    SchemaRefused,
     Templates,
     ToolCallReader,
     apply_template,
@@ -69,12 +69,6 @@ REPEATED_FAILURES = {
 
 # Below this many tokens of room an answer is useless; refuse rather than return a stub.
 MIN_ANSWER_TOKENS = 16
-
-
-class JobFailed(Exception):
-    def __init__(self, type_: str, message: str) -> None:
-        super().__init__(message)
-        self.type, self.message = type_, message
 
 
 def run_job(
@@ -156,7 +150,7 @@ def run_job(
         finally:
             if keeper is not None:
                 keeper.release(env.tenant, key)
-    except (JobFailed, SchemaRefused) as exc:
+    except JobFailed as exc:
         result.status = "failed"
         result.error = JobError(type=exc.type, message=exc.message)
     except EngineError as exc:
@@ -210,8 +204,8 @@ def plan_job(
 ) -> JobPlan:
     """The job as its runs will share it: its text cleaned, its template applied, its schema's
     grammar checked, its input fitted to the budget, its prompt rendered to token ids; what was
-    cut or cleaned is noted in ``result``. A job that cannot run raises ``JobFailed`` (or
-    ``SchemaRefused``) before the engine sees it."""
+    cut or cleaned is noted in ``result``. A job that cannot run raises ``JobFailed`` before
+    the engine sees it."""
     job = env.job
     if settings.clean_input:
         job, result.input_chars_cleaned = clean_job(job)

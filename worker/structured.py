@@ -25,6 +25,8 @@ from pydantic import ValidationError
 from schemas import ExtractJob
 from schemas.templates import BUILTIN, Template
 
+from .errors import JobFailed
+
 log = logging.getLogger(__name__)
 
 # -- output budgets ---------------------------------------------------------------------------
@@ -113,12 +115,6 @@ def generation_schema(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- grammar compilation ----------------------------------------------------------------------
-class SchemaRefused(Exception):
-    def __init__(self, type_: str, message: str) -> None:
-        super().__init__(message)
-        self.type, self.message = type_, message
-
-
 class GrammarCheck:
     """Compiles each distinct schema once (llguidance, as vLLM's ``guidance`` backend does) with
     a time limit, and remembers the outcome by schema hash."""
@@ -129,12 +125,12 @@ class GrammarCheck:
         self.remember = remember
         self._ll: Any = None
         self._lock = threading.Lock()
-        self._seen: OrderedDict[str, SchemaRefused | None] = OrderedDict()
+        self._seen: OrderedDict[str, JobFailed | None] = OrderedDict()
         self._running: dict[str, concurrent.futures.Future[str | None]] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar")
 
     def check(self, schema: dict[str, Any]) -> None:
-        """Returns if the schema compiles; raises ``SchemaRefused`` if not, or not in time."""
+        """Returns if the schema compiles; raises ``JobFailed`` if not, or not in time."""
         text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
         key = hashlib.sha256(text.encode()).hexdigest()
         with self._lock:
@@ -148,11 +144,11 @@ class GrammarCheck:
             if future is None:  # jobs with the same new schema wait on one compilation
                 future = self._running[key] = self._pool.submit(self._compile, text)
         started = time.monotonic()
-        outcome: SchemaRefused | None
+        outcome: JobFailed | None
         try:
             error = future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
-            outcome = SchemaRefused(
+            outcome = JobFailed(
                 "schema_compile_timeout",
                 f"the schema's grammar did not compile within {self.timeout_s:g}s "
                 "(VQUEUE_SCHEMA_COMPILE_TIMEOUT_S)",
@@ -166,7 +162,7 @@ class GrammarCheck:
             log.warning("schema %s: compile check failed (%s); left to the engine", key[:12], exc)
             outcome = None
         else:
-            outcome = SchemaRefused("schema_unsupported", error) if error else None
+            outcome = JobFailed("schema_unsupported", error) if error else None
         with self._lock:
             self._running.pop(key, None)
             self._seen[key] = outcome
@@ -236,7 +232,7 @@ class Templates:
         try:
             template = self._load(name, tenant)
         except ValidationError as exc:  # stored by an older vqueue, or edited by hand
-            raise SchemaRefused(
+            raise JobFailed(
                 "unknown_template",
                 f"the registered template {name!r} no longer reads as one "
                 f"({exc.error_count()} problem(s), first: {exc.errors()[0]['msg']}); "
@@ -256,7 +252,7 @@ def apply_template(
         return job, []
     template = templates.get(job.template, tenant) if templates else BUILTIN.get(job.template)
     if template is None:
-        raise SchemaRefused(
+        raise JobFailed(
             "unknown_template",
             f"no extraction template named {job.template!r} (`vqueue templates list`)",
         )

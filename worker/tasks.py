@@ -45,7 +45,7 @@ from schemas.results import ErrorType
 
 from . import metrics
 from .app import app, engine_died, settings, state, while_full, while_full_each
-from .engine import EngineDead
+from .errors import EngineDead, JobsFailed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -228,23 +228,6 @@ def run_pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
     if failed := [e for e in ends if e["status"] == "failed"]:
         raise JobsFailed.of(failed, len(payloads))
     return ends[0] if len(payloads) == 1 and ends else summary
-
-
-class JobsFailed(Exception):
-    """A message that ended with a failed job: every job has its result and the message is
-    acknowledged (``task_acks_on_failure_or_timeout``), but Celery's events, and so Flower,
-    show it as FAILURE with each failed job's id and reason, not as a green SUCCESS. The
-    tasks declare it (``throws``): Celery logs it as an expected error, one line, no trace."""
-
-    SHOWN = 5  # failed jobs named in the message; the rest are counted
-
-    @classmethod
-    def of(cls, failed: list[dict[str, Any]], jobs: int) -> JobsFailed:
-        # one plain message argument: Celery pickles the exception for its events
-        named = ", ".join(f"{e['id']} ({e.get('error', 'failed')})" for e in failed[: cls.SHOWN])
-        more = f" and {len(failed) - cls.SHOWN} more" if len(failed) > cls.SHOWN else ""
-        of = f" of {jobs}" if jobs > 1 else ""
-        return cls(f"{len(failed)}{of} job(s) failed: {named}{more}")
 
 
 def _pack(who: Delivery, payloads: list[Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:

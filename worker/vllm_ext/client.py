@@ -37,6 +37,7 @@ from typing import Any
 from schemas import Settings
 
 from ..confidence import LogprobRule, Reading
+from ..errors import EngineDead, EngineError
 from ..metrics import EngineStats
 from .configure import ConfigError
 
@@ -49,14 +50,6 @@ __all__ = ["ConfigError", "CoreAddress", "EngineClient", "EngineDead", "EngineEr
 ADMIT_PER_TICK = 32
 # how often the loop looks at whether vLLM's engine core is still there
 WATCH_S = 1.0
-
-
-class EngineError(RuntimeError):
-    """The engine refused or failed one request; the job fails, the worker carries on."""
-
-
-class EngineDead(RuntimeError):
-    """The engine core is gone: no job can run here any more; the worker must restart."""
 
 
 # per output token: its id, its log probability, and the likeliest (id, log probability) pairs
