@@ -1207,7 +1207,7 @@ def serve(obj: Ctx, host: str, port: int) -> None:
             f"the HTTP API needs the server extra ({', '.join(lacking)} not installed): "
             "pip install 'vqueue[server]'", RET_USAGE,
         )  # fmt: skip
-    from .api import serve as run
+    from .http import serve as run
 
     click.echo(f"vqueue: serving the Batch API on http://{host}:{port}/v1", err=True)
     run(host, port, obj.settings)
@@ -1223,7 +1223,7 @@ def keys() -> None:
 @click.pass_obj
 def keys_create(obj: Ctx, tenant: str) -> None:
     """Print a new API key for TENANT (shown once; only its digest is kept)."""
-    from .api import ApiStore
+    from .http import ApiStore
 
     click.echo(ApiStore(obj.settings).create_key(tenant))
 
@@ -1233,7 +1233,7 @@ def keys_create(obj: Ctx, tenant: str) -> None:
 @click.pass_obj
 def keys_revoke(obj: Ctx, tenant: str) -> None:
     """Revoke every API key of TENANT."""
-    from .api import ApiStore
+    from .http import ApiStore
 
     n = ApiStore(obj.settings).revoke(tenant)
     if not n:

@@ -361,7 +361,7 @@ class Settings(BaseSettings):
     wait_no_worker_s: float = Field(default=600.0, ge=0)
     wait_stall_s: float = Field(default=3600.0, ge=0)
 
-    # -- the HTTP API (`vqueue serve`, producer/api.py; docs/http-api.md)
+    # -- the HTTP API (`vqueue serve`, producer/http/; docs/http-api.md)
     # where uploaded input files and written output files are kept ("" : the user cache)
     files_dir: str = ""
     # an upload past this many bytes is refused, and a batch over a file of more requests:

@@ -116,7 +116,7 @@ def test_keys_are_revoked(cli: Cli) -> None:
     revoked = cli("keys", "revoke", "gone-tenant")
     assert revoked.returncode == 0 and b"revoked 1 key(s)" in revoked.stdout
     assert cli("keys", "revoke", "gone-tenant").returncode == RET_NOT_FOUND
-    from producer.api import ApiStore
+    from producer.http import ApiStore
     from schemas import Settings
 
     store = ApiStore(Settings(_env_file=None, broker_url=cli.url, key_prefix=_prefix()))

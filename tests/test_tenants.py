@@ -471,7 +471,7 @@ def test_files_are_private_named_safely_and_a_deleted_input_fails_its_batch(
 
 
 def test_files_expire_when_asked_and_outputs_by_default(served: Served) -> None:
-    from producer.api import ApiStore
+    from producer.http import ApiStore
     from schemas import Settings
 
     sdk = served.sdk("a")
@@ -897,7 +897,7 @@ def test_two_servers_never_both_hold_a_batchs_feed_or_its_lock() -> None:
 
     from redis.exceptions import LockError
 
-    from producer.api import ApiStore
+    from producer.http import ApiStore
 
     from .conftest import KEY_PREFIX, make_settings
 
