@@ -48,7 +48,6 @@ from schemas import (
     BatchStatus,
     CanaryReport,
     Envelope,
-    ExtractJob,
     JobResult,
     Settings,
     get_settings,
@@ -296,21 +295,14 @@ def submit(
             if p.error is not None:
                 on_bad(p, p.error)
                 return None
-            name = p.job.template if isinstance(p.job, ExtractJob) else None
-            if name is not None and not client.template_known(name):
-                on_bad(p, f"unknown template {name!r} (see 'vqueue templates list')")
-                return None
             try:
-                env = Envelope(
-                    job=p.job, batch=batch, format=p.format, model=p.model,
-                    enqueued_at=time.time(), tenant=client.settings.tenant, cache=not no_cache,
-                    line=p.line if by_line else None,
-                )  # fmt: skip
-                env.wire()
-            except (ValueError, RecursionError) as exc:
-                on_bad(p, f"cannot be enqueued: {exc}")
+                line = p.line if by_line else None
+                return client.envelope(
+                    p.job, batch, fmt=p.format, model=p.model, cache=not no_cache, line=line
+                )
+            except ValueError as exc:
+                on_bad(p, str(exc))
                 return None
-            return env
 
         def envelopes() -> Iterator[Envelope]:
             """The good lines as envelopes; bad ones are reported here and skipped. A resumed

@@ -29,6 +29,7 @@ from protocol.routing import Router
 from protocol.store import BatchStore, refused_for_memory
 from protocol.wire import Frame
 from schemas import BatchStatus, Envelope, ExtractJob, Job, JobResult, Settings, get_settings
+from schemas.jobs import Format
 
 log = logging.getLogger("vqueue")
 _job_adapter: TypeAdapter[Any] = TypeAdapter(Job)
@@ -504,10 +505,44 @@ class Client:
                 return item
             return Envelope(**{**dict(item), "batch": batch_id, "tenant": tenant})
         job = item if not isinstance(item, dict) else _job_adapter.validate_python(item)
+        try:
+            return self.envelope(job, batch_id)
+        except ValueError as exc:
+            raise ValueError(f"job {job.id}: {exc}") from None
+
+    def envelope(
+        self,
+        job: Job,
+        batch_id: str,
+        *,
+        fmt: Format = "vqueue",
+        model: str | None = None,
+        cache: bool = True,
+        line: int | None = None,
+    ) -> Envelope:
+        """What travels for ``job`` in batch ``batch_id``, this client's tenant's: the one
+        builder every way in uses (``submit``, ``vqueue submit``, the HTTP batches). ``line``:
+        its line in the batch's input file, by which it is then known. ``ValueError``, saying
+        why, for a job that cannot be enqueued: a template nobody registered, or a job whose
+        message cannot be written."""
+        if problem := self.template_problem(job):
+            raise ValueError(problem)
+        try:
+            env = Envelope(
+                job=job, batch=batch_id, format=fmt, model=model, enqueued_at=time.time(),
+                tenant=self.settings.tenant, cache=cache, line=line,
+            )  # fmt: skip
+            env.wire()  # serialized once here: a job nested past what JSON can write fails now
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"cannot be enqueued: {exc}") from None
+        return env
+
+    def template_problem(self, job: Job) -> str | None:
+        """Why ``job`` cannot run here for its template, or None: the one template check."""
         name = job.template if isinstance(job, ExtractJob) else None
-        if name is not None and not self.template_known(name):
-            raise ValueError(f"job {job.id}: unknown template {name!r} (`vqueue templates list`)")
-        return Envelope(job=job, batch=batch_id, enqueued_at=time.time(), tenant=tenant)
+        if name is None or self.template_known(name):
+            return None
+        return f"unknown template {name!r} (see 'vqueue templates list')"
 
     def template_known(self, name: str) -> bool:
         """A built-in or registered extraction template (looked up once per name)."""

@@ -20,7 +20,6 @@ from redis.lock import Lock
 from schemas import (
     BatchStatus,
     Envelope,
-    ExtractJob,
     JobResult,
     output_line,
 )
@@ -231,9 +230,8 @@ class Batches:
             if message is None and p.format != want:
                 message = (f"a {LINE_KIND[p.format]} line in a batch for {b.endpoint}: its "
                            f"lines are {LINE_KIND[want]} lines")  # fmt: skip
-            name = p.job.template if isinstance(p.job, ExtractJob) else None
-            if message is None and name is not None and not client.template_known(name):
-                message = f"unknown template {name!r}"
+            if message is None:
+                message = client.template_problem(p.job)
             if message is not None:
                 bad += 1
                 if len(errors) < MAX_BATCH_ERRORS:
@@ -303,10 +301,9 @@ class Batches:
     @staticmethod
     def _envelope(client: Any, b: BatchObject, p: Any) -> Envelope:
         """The line's envelope, known by its line: the batch's only input is its file."""
-        return Envelope(
-            job=p.job, batch=b.id, format=p.format, model=p.model, enqueued_at=time.time(),
-            tenant=client.settings.tenant, cache=uses_cache(b), line=p.line,
-        )  # fmt: skip
+        env: Envelope = client.envelope(p.job, b.id, fmt=p.format, model=p.model,
+                                        cache=uses_cache(b), line=p.line)  # fmt: skip
+        return env
 
     def _send(self, client: Any, b: BatchObject, fh: Any, gone: threading.Event, skip: int) -> None:
         """Submit the input's jobs after the first ``skip``, recording the position as it goes
