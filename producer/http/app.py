@@ -1,7 +1,8 @@
 """The FastAPI app of ``vqueue serve``: OpenAI's Files and Batches routes, authentication,
 errors in OpenAI's shape, the request size bound, the background mover."""
 
-from __future__ import annotations
+# No postponed annotations (``from __future__ import annotations``) here: FastAPI reads each
+# route's parameter types at runtime, and ``Request`` and the rest are imported in create_app.
 
 import asyncio
 import contextlib
