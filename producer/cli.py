@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import IO, Any, BinaryIO, NoReturn
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, NoReturn
 
 import click
 import redis
@@ -56,6 +56,9 @@ from schemas import (
     rejected_line,
 )
 from schemas.settings import describe_settings_error
+
+if TYPE_CHECKING:
+    from .feed import Feed
 
 # Per-line errors echoed to stderr before the rest are only counted (all go to --errors).
 MAX_ECHOED_ERRORS = 20
@@ -214,7 +217,8 @@ def submit(
     this process dies, the same command with --batch ID resumes the feed where it stopped.
     """
     from .client import new_batch_id
-    from .inputs import Parsed, expected_lines, parse_line, parse_lines, read_lines, rejected_result
+    from .feed import Feed, run_in_thread
+    from .inputs import Parsed, expected_lines, rejected_result
 
     share = None
     if canary is not None:
@@ -258,14 +262,11 @@ def submit(
         # done (``protocol.store``); those of another input, or of stdin (which cannot be read
         # again to say which line was which), by their id.
         by_line = source is not None and (created or client.store.feed_state(batch)[2] == source)
-        good = rejected = 0
 
         def reject(p: Parsed, error: str) -> None:
             """A bad line: echoed (the first few), and in the errors file in the line's own
             format, as its batch's failed results are."""
-            nonlocal rejected
-            rejected += 1
-            if rejected <= MAX_ECHOED_ERRORS:
+            if feed.rejected <= MAX_ECHOED_ERRORS:
                 bar.write(f"line {p.line}: {error}", file=sys.stderr)
             if errors_out:
                 ident = p.custom_id or (p.job.id if p.job is not None else None)
@@ -275,74 +276,13 @@ def submit(
                     errors_out.write(json.dumps(rejected_line(ident, p.line, error)))
                 errors_out.write("\n")
 
-        def quietly(_p: Parsed, _error: str) -> None:
-            """The feed reports bad lines; a second pass over the input (the canary's, a
-            resend's) skips them."""
-
-        def lines() -> Iterator[bytes]:
-            pending = 0  # bar updates per 64 kB, not per line: they cost more than a parse
-            for raw in read_lines(fh):
-                pending += len(raw)
-                if pending > 65536:
-                    bar.update(pending)
-                    pending = 0
-                yield raw
-            bar.update(pending)
-
-        def envelope(p: Parsed, on_bad: Callable[[Parsed, str], None]) -> Envelope | None:
-            """The line's envelope; None for a bad line, told to ``on_bad``: whatever a line
-            holds, it is rejected alone, never the file."""
-            if p.error is not None:
-                on_bad(p, p.error)
-                return None
-            try:
-                line = p.line if by_line else None
-                return client.envelope(
-                    p.job, batch, fmt=p.format, model=p.model, cache=not no_cache, line=line
-                )
-            except ValueError as exc:
-                on_bad(p, str(exc))
-                return None
-
-        def envelopes() -> Iterator[Envelope]:
-            """The good lines as envelopes; bad ones are reported here and skipped. A resumed
-            feed checks the lines its first run sent (so ``rejected`` counts the whole input)
-            and sends the rest."""
-            nonlocal good
-            for p in parse_lines(lines(), default_priority=priority, default_system=system):
-                if good < skip:  # sent by the feed this one resumes
-                    if p.error is None:
-                        good += 1
-                    else:
-                        reject(p, p.error)
-                    continue
-                env = envelope(p, reject)
-                if env is not None:
-                    good += 1
-                    yield env
-
+        feed = Feed(
+            client, batch, fh, source, priority=priority, system=system, cache=not no_cache,
+            by_line=by_line, skip=skip, on_reject=reject, on_bytes=bar.update,
+        )  # fmt: skip
         ran_canary = 0  # the canary's jobs, sent before the feed (which skips them)
         if share is not None and created:
-            from .canary import count_lines, first_owners, pick
-
-            def parse(n: int, raw: bytes) -> Parsed:
-                return parse_line(n, raw, priority, system)
-
-            def numbered() -> Iterator[tuple[int, bytes]]:
-                with open(file, "rb") as again:
-                    yield from ((n, r) for n, r in enumerate(read_lines(again), 1) if r.strip())
-
-            def picked() -> Iterator[Envelope]:
-                """The canary's lines, parsed alone: the rest are parsed once, by the feed."""
-                least = client.settings.canary_min_jobs
-                some = pick(numbered(), share, least, count_lines(file), batch)
-                chosen = {n: parse(n, raw) for n, raw in some}
-                for p in first_owners(chosen, numbered(), parse):
-                    env = envelope(p, quietly)
-                    if env is not None:
-                        yield env
-
-            sample = list(picked())
+            sample = feed.canary(share)
             if not sample:
                 bar.close()
                 client.store.delete(batch)
@@ -364,32 +304,7 @@ def submit(
 
         from .client import Refused, SubmissionStopped
 
-        started = threading.Event()  # the first jobs are in Redis, or the feed ended
-        outcome: dict[str, Any] = {}
         st: BatchStatus | None = None
-
-        def feed() -> None:
-            """Send the input and seal the batch; a failure is kept for the main thread, which
-            may be following results meanwhile (a big input is fed as workers finish jobs)."""
-            try:
-                outcome["handle"] = client.submit_many(
-                    envelopes(), batch=batch, seal=False, force=force, position=skip,
-                    on_progress=lambda _n: started.set(),
-                )  # fmt: skip
-                client.store.seal(batch, rejected=rejected, fed_all=True)
-            except SubmissionStopped as exc:
-                with contextlib.suppress(redis.RedisError):  # the lines rejected, counted
-                    client.store.stop_submission(batch, exc.reason, rejected)
-                outcome["error"] = exc
-            except BaseException as exc:
-                # whatever stopped submission (Redis gone, a refusal), the jobs already sent
-                # still form a batch that can finish and be read; its feed can be resumed
-                with contextlib.suppress(Exception):
-                    client.store.seal(batch, rejected=rejected)
-                outcome["error"] = exc
-            finally:
-                bar.close()  # the input is read: its bar ends now, not after the wait
-                started.set()
 
         def feed_failed() -> None:
             exc = outcome.get("error")
@@ -403,22 +318,18 @@ def submit(
                 fail(str(exc), RET_STOPPED)
             raise exc
 
-        def resend() -> None:  # the input read again from the top
-            with open(file, "rb") as again:
-                parsed = parse_lines(read_lines(again), default_priority=priority,
-                                     default_system=system)  # fmt: skip
-                jobs = (env for p in parsed if (env := envelope(p, quietly)) is not None)
-                sent = client.resend(jobs, batch)
+        def resend() -> None:
+            sent = feed.resend()
             _say(f"batch {batch}: {sent} job(s) were lost on the way (a worker "
                  "killed as it took them); sent again")  # fmt: skip
 
-        feeder = threading.Thread(target=feed, name="vqueue-feed", daemon=True)
-        feeder.start()
+        # the input is read once the feed ends: its bar ends then, not after the wait
+        feeder, started, outcome = run_in_thread(feed, force, on_end=bar.close)
         try:
             if wait:  # results are read while the rest of the input is fed
                 while not started.wait(0.5):
                     pass
-                if feeder.is_alive() or (outcome.get("handle") and good > 0):
+                if feeder.is_alive() or (outcome.get("handle") and feed.good > 0):
                     if not as_json:
                         click.echo(batch)
                         sys.stdout.flush()
@@ -432,55 +343,68 @@ def submit(
         except KeyboardInterrupt:
             feeder.join(2.0)  # a feed about to end ends: only the wait was interrupted
             if feeder.is_alive():
-                _say(f"the feed of batch {batch} stopped after {good - skip} more jobs; send the "
-                     f"rest with: vqueue submit {file} --batch {batch}")  # fmt: skip
+                _say(f"the feed of batch {batch} stopped after {feed.good - skip} more jobs; "
+                     f"send the rest with: vqueue submit {file} --batch {batch}")  # fmt: skip
                 sys.exit(RET_INTERRUPTED)
             _interrupted(batch)
         feed_failed()
-        handle = outcome["handle"]
         bar.close()
-        if rejected > MAX_ECHOED_ERRORS:
-            click.echo(
-                f"... and {rejected - MAX_ECHOED_ERRORS} more rejected lines"
-                + (f" (all in {errors_path})" if errors_path else ""),
-                err=True,
-            )
-        if good == 0:
-            if created:
-                client.store.delete(batch)
-            fail(
-                f"{file}: no valid job in {rejected} non-blank lines; nothing was enqueued"
-                if rejected
-                else f"{file}: no jobs (empty input)",
-                RET_INPUT,
-            )
-        try:  # the batch is whole in Redis from here: Ctrl-C leaves it running, and says so
-            if handle.skipped > ran_canary:
-                skipped = handle.skipped - ran_canary
-                _say(f"{skipped} job(s) skipped: their ids already have results in batch {batch}")
-            if handle.queued_before:
-                _say(f"{handle.queued_before} job(s) not sent again: they are queued or running "
-                     f"in batch {batch} already")  # fmt: skip
-                if source and client.lost(batch):  # unless the batch has gone quiet without them
-                    resend()
-            good -= handle.skipped
-            canary_note = f" (and {ran_canary} in its canary)" if ran_canary else ""
-            click.echo(
-                f"batch {batch}: {good} jobs enqueued{canary_note}, {rejected} lines rejected",
-                err=True,
-            )
-            if not wait:
-                if not as_json:
-                    click.echo(batch)
-                    sys.stdout.flush()
-                _warn_if_nobody_consumes(client)
-            if as_json:
-                summary: dict[str, Any] = {"batch": batch, "enqueued": good, "rejected": rejected}
-                if st:
-                    summary.update(completed=st.completed, failed=st.failed)
-                click.echo(json.dumps(summary))
-        except KeyboardInterrupt:
-            _interrupted(batch)
+        _submitted(client, feed, outcome["handle"], file, errors_path, created, ran_canary,
+                   wait, as_json, st)  # fmt: skip
+
+
+def _submitted(
+    client: Any, feed: Feed, handle: Any, file: str, errors_path: str | None, created: bool,
+    ran_canary: int, wait: bool, as_json: bool, st: BatchStatus | None,
+) -> None:  # fmt: skip
+    """What ``vqueue submit`` says once its input is fed: the lines rejected beyond those
+    echoed, the jobs skipped or not sent again, the counts; the batch id (or the JSON summary)
+    on stdout. An input without a good line enqueued nothing: its batch goes, and it fails."""
+    batch, rejected = feed.batch, feed.rejected
+    if rejected > MAX_ECHOED_ERRORS:
+        click.echo(
+            f"... and {rejected - MAX_ECHOED_ERRORS} more rejected lines"
+            + (f" (all in {errors_path})" if errors_path else ""),
+            err=True,
+        )
+    if feed.good == 0:
+        if created:
+            client.store.delete(batch)
+        fail(
+            f"{file}: no valid job in {rejected} non-blank lines; nothing was enqueued"
+            if rejected
+            else f"{file}: no jobs (empty input)",
+            RET_INPUT,
+        )
+    try:  # the batch is whole in Redis from here: Ctrl-C leaves it running, and says so
+        if handle.skipped > ran_canary:
+            skipped = handle.skipped - ran_canary
+            _say(f"{skipped} job(s) skipped: their ids already have results in batch {batch}")
+        if handle.queued_before:
+            _say(f"{handle.queued_before} job(s) not sent again: they are queued or running "
+                 f"in batch {batch} already")  # fmt: skip
+            if feed.source and client.lost(batch):  # unless the batch went quiet without them
+                sent = feed.resend()
+                _say(f"batch {batch}: {sent} job(s) were lost on the way (a worker "
+                     "killed as it took them); sent again")  # fmt: skip
+        good = feed.good - handle.skipped
+        canary_note = f" (and {ran_canary} in its canary)" if ran_canary else ""
+        click.echo(
+            f"batch {batch}: {good} jobs enqueued{canary_note}, {rejected} lines rejected",
+            err=True,
+        )
+        if not wait:
+            if not as_json:
+                click.echo(batch)
+                sys.stdout.flush()
+            _warn_if_nobody_consumes(client)
+        if as_json:
+            summary: dict[str, Any] = {"batch": batch, "enqueued": good, "rejected": rejected}
+            if st:
+                summary.update(completed=st.completed, failed=st.failed)
+            click.echo(json.dumps(summary))
+    except KeyboardInterrupt:
+        _interrupted(batch)
 
 
 def _canary(

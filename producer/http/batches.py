@@ -35,6 +35,7 @@ from schemas.api import (
 )
 
 from ..client import Gone
+from ..feed import Feed
 from ..inputs import parse_lines, read_lines
 from .store import ApiStore, _private, _progress
 
@@ -307,20 +308,15 @@ class Batches:
 
     def _send(self, client: Any, b: BatchObject, fh: Any, gone: threading.Event, skip: int) -> None:
         """Submit the input's jobs after the first ``skip``, recording the position as it goes
-        (``Client.submit_many``'s ``position``), and seal the batch."""
+        (``producer.feed``), and seal the batch."""
         from ..client import SubmissionStopped
 
         bid = b.id
-
-        def envelopes() -> Iterator[Envelope]:
-            for i, p in enumerate(self._lines(fh)):
-                if gone.is_set():
-                    raise Gone(bid)
-                if i >= skip:
-                    yield self._envelope(client, b, p)
-
+        feed = Feed(client, bid, fh, str(self.store.path(b.input_file_id)),
+                    cache=uses_cache(b), skip=skip, stop=gone)  # fmt: skip
+        fh.seek(0)
         try:
-            client.submit_many(envelopes(), batch=bid, source=b.input_file_id, position=skip)
+            feed.send()
         except SubmissionStopped as exc:  # Redis full or gone: what was sent still runs, and
             # the batch ends failed with the reason once it has (``advance``)
             log.error("batch %s: submission stopped: %s", bid, exc.reason)
@@ -419,11 +415,11 @@ class Batches:
         if not client.lost(b.id):
             return
         try:
-            with self.store.lock(b.id) as mine, open(self.store.path(b.input_file_id), "rb") as fh:
+            path = self.store.path(b.input_file_id)
+            with self.store.lock(b.id) as mine, open(path, "rb") as fh:
                 if not mine:
                     return
-                jobs = (self._envelope(client, b, p) for p in self._lines(fh) if p.error is None)
-                sent = client.resend(jobs, b.id)
+                sent = Feed(client, b.id, fh, str(path), cache=uses_cache(b)).resend()
         except FileNotFoundError:  # its input deleted: the batch ends at its window's end
             log.error("batch %s has lost jobs and its input file is gone", b.id)
             return
