@@ -317,7 +317,7 @@ def test_a_taking_reader_killed_and_started_again_writes_each_result_once(
 
 @pytest.mark.unit
 def test_the_results_table_stays_aligned_with_wide_characters() -> None:
-    from producer.cli import _cells, render_table
+    from producer.cli.read import _cells, render_table
     from schemas import JobResult, Timings
 
     rows = [
