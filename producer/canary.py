@@ -123,7 +123,7 @@ def run(
     """Send the canary's ``jobs`` into the open ``batch``, wait until the batch's jobs all have
     answers, and judge them: how many were sent, and the report. ``tick`` sees the batch's
     status after each look and may raise to stop waiting (a deadline, the batch gone)."""
-    from .client import BatchNotFound
+    from .errors import BatchNotFound
 
     handle = client.submit_many(jobs, batch=batch, seal=False)
     while True:

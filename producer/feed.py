@@ -19,7 +19,8 @@ import redis
 
 from schemas import Envelope
 
-from .client import Batch, Client, Gone, SubmissionStopped
+from .client import Batch, Client
+from .errors import Gone, SubmissionStopped
 from .inputs import Parsed, parse_line, parse_lines, read_lines
 
 # how many input bytes pass between two calls of ``on_bytes``: a progress bar's update costs

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from producer import Client
-from producer.client import Refused
+from producer.errors import Refused
 from schemas import JobResult
 
 from .conftest import KEY_PREFIX, RUN, Procs, WorkerProc, make_settings, run_cli, wait_for

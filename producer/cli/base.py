@@ -158,7 +158,7 @@ def _follow(
     """Stream results to the files with a done/failed/rate/ETA bar until the batch is done.
     ``take``: results leave Redis once they are written (and flushed to disk) here.
     ``feeder``: the thread still feeding the batch, whose total grows meanwhile."""
-    from ..client import Stalled, WaitTimeout
+    from ..errors import Stalled, WaitTimeout
 
     handle = client.batch(batch)
     st = handle.status()

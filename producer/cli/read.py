@@ -63,7 +63,7 @@ def status(obj: Ctx, batch: str | None, as_json: bool, watch: bool) -> None:
 
 
 def _batch_status(client: Any, batch: str, as_json: bool) -> str:
-    from ..client import BatchNotFound
+    from ..errors import BatchNotFound
 
     try:
         st = client.batch(batch).status()
@@ -102,7 +102,7 @@ def _canary_line(batch: str, st: BatchStatus) -> str:
 
 def _feed_line(batch: str, st: BatchStatus) -> str:
     """How a feed not finished stands: alive, or stopped and waiting to be resumed."""
-    from ..client import feed_stopped
+    from ..batch import feed_stopped
 
     if st.fed is None:
         return ""
@@ -207,7 +207,7 @@ def results(
 
     With --take each result leaves Redis once it is written and flushed: a second read finds
     only what came since. The batch's counts stay, and its jobs never run again."""
-    from ..client import BatchNotFound, Stalled, WaitTimeout
+    from ..errors import BatchNotFound, Stalled, WaitTimeout
 
     _check_batch(batch)
     if take and table:

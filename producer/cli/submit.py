@@ -206,7 +206,7 @@ def submit(
         elif share is not None:
             _say(f"batch {batch} exists: no canary runs for the rest of its input")
 
-        from ..client import Refused, SubmissionStopped
+        from ..errors import Refused, SubmissionStopped
 
         st: BatchStatus | None = None
 
@@ -317,7 +317,7 @@ def _canary(
     """Run the canary (``producer.canary.run``) with a bar; exits as waiting does when it
     cannot end."""
     from ..canary import run
-    from ..client import BatchNotFound, WaitTimeout
+    from ..errors import BatchNotFound, WaitTimeout
 
     _say(f"batch {batch}: canary of {len(jobs)} jobs; the rest waits for their answers")
     bar = _bar(quiet, total=len(jobs), unit="job", desc="canary")
@@ -350,7 +350,7 @@ def _resume_at(client: Any, batch: str, source: str) -> int:
     """Where a feed of ``source`` into ``batch`` that did not finish stopped (its process
     killed, Redis full, Ctrl-C): the jobs before it are sent and are not sent again. Refuses
     while that feed still runs."""
-    from ..client import feed_stopped
+    from ..batch import feed_stopped
 
     fed, fed_at, was, by = client.store.feed_state(batch)
     if fed is None or was != source:

@@ -34,7 +34,7 @@ from schemas.api import (
     window_seconds,
 )
 
-from ..client import Gone
+from ..errors import Gone
 from ..feed import Feed
 from ..inputs import parse_lines, read_lines
 from .store import ApiStore, _private, _progress
@@ -309,7 +309,7 @@ class Batches:
     def _send(self, client: Any, b: BatchObject, fh: Any, gone: threading.Event, skip: int) -> None:
         """Submit the input's jobs after the first ``skip``, recording the position as it goes
         (``producer.feed``), and seal the batch."""
-        from ..client import SubmissionStopped
+        from ..errors import SubmissionStopped
 
         bid = b.id
         feed = Feed(client, bid, fh, str(self.store.path(b.input_file_id)),
