@@ -448,7 +448,7 @@ def online_row(
 def json_retry(job: Any, cut: bool, prompt_len: int, n: int, room: int) -> int | None:
     """The worker's one rerun of a JSON answer cut off at ``max_tokens`` (``runner``): the
     tokens it runs again with (twice as many, within the context), None when it does not."""
-    from worker.runner import _wants_json
+    from worker.answers import _wants_json
 
     if _wants_json(job) and cut and room - prompt_len > n:
         return min(2 * n, room - prompt_len)
@@ -553,8 +553,8 @@ class RawEngines:
 
     def prepared(self, jobs: list[dict[str, Any]]) -> list[tuple[Any, Any, list[int], int]]:
         """(job, messages, prompt ids, max_tokens) per job, built by the worker's own code."""
+        from worker.budget import fit_input
         from worker.prompts import build_messages
-        from worker.runner import fit_input
 
         s, out = self.settings, []
         for j in jobs:
@@ -581,7 +581,7 @@ class RawEngines:
         and the same retry of a cut-off JSON answer as the raw rows. The monitor watches but
         never aborts, so that the tokens stay raw's."""
         from worker.confidence import Monitor
-        from worker.runner import early_stop_policy, sampling_params
+        from worker.sampling import early_stop_policy, sampling_params
 
         s, host, room = self.settings, self.host, self.settings.max_model_len
 
@@ -621,7 +621,7 @@ class RawEngines:
         return online_row(name, ALONE, rnd, wall, t0, prep, res, engine_work(before, counters()))
 
     def _offline(self, name: str, rnd: int, prep: list) -> dict[str, Any]:
-        from worker.runner import sampling_params
+        from worker.sampling import sampling_params
 
         t = time.perf_counter()
         outs = self.llm.chat(
@@ -664,7 +664,7 @@ class RawEngines:
         )
 
     def _online(self, name: str, rnd: int, prep: list, system: str) -> dict[str, Any]:
-        from worker.runner import sampling_params
+        from worker.sampling import sampling_params
         from worker.vllm_ext.client import _first_token_at, _scheduled_at
 
         room = self.settings.max_model_len

@@ -82,7 +82,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from schemas import Settings
-    from worker.runner import loop_detection
+    from worker.loops import loop_detection
 
     from . import workloads as wl
 
@@ -296,7 +296,7 @@ def check_only(a: argparse.Namespace, out: Path) -> None:
     from vllm.v1.utils import ConstantList
 
     from schemas import Settings
-    from worker.runner import loop_detection
+    from worker.loops import loop_detection
     from worker.vllm_ext import loops
 
     class _Job:

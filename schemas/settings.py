@@ -257,7 +257,7 @@ class Settings(BaseSettings):
     early_stop_codegen: EarlyStop = EarlyStop(window=3, grace_tokens=8)
     early_stop_chat: EarlyStop = EarlyStop()
 
-    # -- loops (worker/runner.py; docs/quality.md): a generation whose last tokens repeat one
+    # -- loops (worker/loops.py; docs/quality.md): a generation whose last tokens repeat one
     # cycle of up to loop_max_cycle_tokens tokens loop_min_repeats times in a row (the same
     # array item again and again, one sentence over and over) is ended in the engine by vLLM's
     # repetition detection (answered by worker/vllm_ext/loops.py where docs/vllm-compat.md

@@ -55,7 +55,7 @@ def test_the_check_answers_as_vllms_own_every_few_tokens() -> None:
 def test_cycles_of_any_length_up_to_the_longest_end_after_three_copies(cycle: int) -> None:
     from worker.vllm_ext.loops import EVERY, check_sequence_repetition
 
-    # Given the worker's range for the default longest cycle (runner.loop_detection: 17..256)
+    # Given the worker's range for the default longest cycle (loops.loop_detection: 17..256)
     params = _params(17, 256, 3)
     rng = random.Random(cycle)
     text = [rng.randrange(50_000) for _ in range(100)]

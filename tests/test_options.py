@@ -136,9 +136,9 @@ def test_truncation_keeps_the_end_it_names() -> None:
     from transformers import AutoTokenizer
 
     from schemas import Settings, SummarizeJob
+    from worker.budget import fit_input
     from worker.models import prepare_embedded
     from worker.prompts import PromptTokenizer
-    from worker.runner import fit_input
 
     tok = PromptTokenizer(AutoTokenizer.from_pretrained(prepare_embedded()))
     start = "ALPHA opens the report. " * 10
@@ -348,9 +348,9 @@ def test_a_long_document_is_encoded_once_and_its_prompt_says_the_same() -> None:
     from transformers import AutoTokenizer
 
     from schemas import Settings, SummarizeJob
+    from worker.budget import fit_input
     from worker.models import prepare_embedded
     from worker.prompts import PromptTokenizer, build_messages
-    from worker.runner import fit_input
 
     tok = PromptTokenizer(AutoTokenizer.from_pretrained(prepare_embedded()))
     settings = Settings(_env_file=None, max_model_len=2048)

@@ -1098,7 +1098,7 @@ INJECTION = (
 
 @pytest.mark.unit
 def test_answers_cut_off_in_a_long_or_numbered_cycle_read_as_loops() -> None:
-    from worker.runner import repeats_at_end
+    from worker.loops import repeats_at_end
 
     # Given answers that ran to max_tokens: a JSON array cycling through four items (about 40
     # tokens a cycle, past the engine's 32), cut off mid-item
@@ -1130,8 +1130,8 @@ def test_an_output_with_a_huge_integer_is_invalid_json_not_a_crash() -> None:
     # the worker's JSON check and lost the job
     from schemas import JobResult, Timings
     from schemas.jobs import ChatJob
+    from worker.answers import _read_output
     from worker.errors import JobFailed
-    from worker.runner import _read_output
 
     job = ChatJob.model_validate({"type": "chat", "json_object": True,
                                   "messages": [{"role": "user", "content": "n"}]})  # fmt: skip
@@ -1219,8 +1219,8 @@ def test_tool_calls_a_model_writes_are_read_by_vllms_parser() -> None:
     from transformers import AutoTokenizer
 
     from schemas import ChatJob, JobResult, Timings
+    from worker.answers import _tool_calls
     from worker.models import prepare_embedded
-    from worker.runner import _tool_calls
     from worker.structured import ToolCallReader
     from worker.vllm_ext.configure import ConfigError
 

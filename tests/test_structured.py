@@ -382,8 +382,8 @@ def test_a_looping_extraction_is_ended_at_the_loop_and_retried(
 def test_a_json_job_that_loops_every_time_fails_as_loop_with_its_text() -> None:
     # Given the last attempt of an extraction ended by the engine's loop check
     from schemas import Envelope, ExtractJob, JobResult, Timings
+    from worker.answers import _read_output
     from worker.errors import JobFailed
-    from worker.runner import _read_output
 
     job = ExtractJob(type="extract", text="t", json_schema={"type": "object"})
     env = Envelope(job=job, batch="b", enqueued_at=0.0)

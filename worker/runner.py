@@ -8,18 +8,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
-import hashlib
-import json
 import logging
-import random
-import re
-import secrets
 import threading
 import time
 from typing import Any
-
-import jsonschema
 
 from schemas import (
     Attempt,
@@ -35,25 +27,29 @@ from schemas import (
     Timings,
     Usage,
 )
-from schemas.jobs import NamedToolChoice
-from schemas.results import FunctionCall, TestAttempt, TestReport, ToolCall
+from schemas.results import TestAttempt, TestReport
 
 from . import metrics
-from .cache import IDENTITY_FIELDS, ResultCache, determined
+from .answers import _read_output, _schema_of, _tool_calls, _wants_json
+from .budget import MIN_ANSWER_TOKENS, clean_job, fit_input
+from .cache import ResultCache, determined
 from .confidence import Monitor
 from .engine import EngineHost, Generation
 from .errors import EngineError, JobFailed, JobTimeout, JobWithdrawn
-from .prompts import build_messages, clean, clean_instruction, extract_code, special_token_in
+from .loops import (
+    _as_loop,
+    loop_detection,
+)
+from .prompts import build_messages, special_token_in
+from .sampling import early_stop_policy, retry_sampling, retry_seed, sampling_params
 from .sandbox import run_tests, sandbox_problem
 from .structured import (
     GrammarCheck,
     Templates,
-    ToolCallReader,
     apply_template,
     generation_schema,
     schema_token_budget,
 )
-from .vllm_ext.compat import LOOP_FALLBACK_TOKENS, Plan
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +62,6 @@ REPEATED_FAILURES = {
     "loop",
     "tests_failed",
 }
-
-# Below this many tokens of room an answer is useless; refuse rather than return a stub.
-MIN_ANSWER_TOKENS = 16
 
 
 def run_job(
@@ -282,19 +275,6 @@ def _timed_out(env: Envelope, settings: Settings, result: JobResult, exc: JobTim
     )
 
 
-def retry_seed(job: Any, k: int) -> int:
-    """The seed of a job's ``k``-th run after its first (early stop, a loop, failed tests): its
-    own seed plus ``k`` when it set one; for a greedy job, one drawn from its content, so the
-    same job retries the same way each time it runs (its answer stays determined, which the
-    result cache relies on); a sampled job without a seed draws at random."""
-    if job.seed is not None:
-        return job.seed + k if job.seed + k < 2**63 else job.seed - k
-    if job.temperature == 0:
-        content = job.model_dump_json(exclude=IDENTITY_FIELDS).encode()
-        return (int.from_bytes(hashlib.sha256(content).digest()[:4], "little") >> 1) + k
-    return random.randrange(2**31)
-
-
 def _template_tools(job: Any, engine: EngineHost) -> list[dict[str, Any]] | None:
     """A chat job's tools as its chat template takes them. A tool, or an earlier turn's tool
     call, that spells one of the model's special tokens fails the job: the template writes
@@ -310,37 +290,6 @@ def _template_tools(job: Any, engine: EngineHost) -> list[dict[str, Any]] | None
         raise JobFailed("invalid_job", f"tools: a tool or tool call spells the model's special "
                         f"token {found!r}")  # fmt: skip
     return tools or None
-
-
-def _tool_calls(job: ChatJob, reader: ToolCallReader | None, result: JobResult) -> None:
-    """Each answer's tool calls, in OpenAI's shape. A forced call's answer is the calls: guided
-    decoding held it to ``tool_call_schema`` (a named function's arguments object, or for
-    ``required`` an array of ``{"name", "parameters"}``), and it keeps no text. Under ``auto``,
-    vLLM's parser (``reader``) finds the calls the answer wrote in the model's own syntax, and
-    the text before them stays. ``required`` and ``auto`` end ``tool_calls`` where the answer
-    stopped on its own, a named function ``stop``, as OpenAI's (and vLLM's) answers do."""
-    named = isinstance(job.tool_choice, NamedToolChoice)
-    tools = [t.model_dump(exclude_none=True) for t in job.tools or []]
-    answers: list[JobResult | Choice] = [result, *(result.choices or [])]
-    for answer in answers:
-        text: str | None
-        if not job.forces_call():
-            assert reader is not None
-            text, made = reader.read(answer.text or "", tools)
-        elif isinstance(job.tool_choice, NamedToolChoice):
-            text, made = None, [(job.tool_choice.name, json.dumps(answer.data))]
-        else:
-            text, made = None, [(c["name"], json.dumps(c["parameters"])) for c in answer.data]
-        if not made:
-            continue
-        answer.text = text
-        answer.tool_calls = [
-            ToolCall(id=f"call_{secrets.token_hex(12)}",
-                     function=FunctionCall(name=name, arguments=args))
-            for name, args in made
-        ]  # fmt: skip
-        if not named and answer.finish_reason == "stop":
-            answer.finish_reason = "tool_calls"
 
 
 def _answer(plan: JobPlan, result: JobResult) -> None:
@@ -469,21 +418,6 @@ def _choices(plan: JobPlan, result: JobResult) -> None:
     )
 
 
-def early_stop_policy(job: Any, settings: Settings) -> EarlyStop | None:
-    """The job's early-stop policy: its type's, changed by the job's ``early_stop``; None when
-    off (by either, or because the worker runs without the monitor)."""
-    if not settings.confidence_monitor or job.early_stop is False:
-        return None
-    if isinstance(job, ChatJob) and job.logprobs is not None:
-        return None  # the answer's log probabilities are those it was sampled with, unretried
-    policy = settings.early_stop(job.type)
-    if job.early_stop is True:
-        policy = policy.model_copy(update={"enabled": True})
-    elif job.early_stop is not None:
-        policy = job.early_stop.over(policy)
-    return policy if policy.enabled else None
-
-
 def generate(plan: JobPlan, result: JobResult) -> Generation:
     """Generate the job's answer. The engine ends a generation that loops (``plan.loops``);
     the job then runs again with a frequency penalty on its own tokens, at most ``loop_retries``
@@ -503,77 +437,6 @@ def generate(plan: JobPlan, result: JobResult) -> Generation:
         result.timings.previous_finished_at = gen.finished_at
         run = plan.then()
     return gen  # every run looped: the caller reports it
-
-
-# the shortest pattern a loop check tries: shorter cycles count as their multiples
-SHORTEST_PATTERN = 17
-
-_DIGITS = re.compile(r"\d+")
-# a tail of at least REPEAT_COPIES copies of one chunk of REPEAT_MIN_CHARS to REPEAT_MAX_CHARS
-REPEAT_COPIES = 3
-REPEAT_MIN_CHARS = 16
-REPEAT_MAX_CHARS = 1500
-
-
-def repeats_at_end(text: str) -> bool:
-    """Whether ``text`` ends in one chunk repeated over and over, its numbers aside: a JSON
-    array cycling through the same items (``{"item": "flour"}, {"item": "milk"}, ...``, however
-    many tokens one cycle takes), or a numbered list repeating one line ("13. 注意防范山洪
-    14. 注意防范山洪 ..."). The engine's loop check stops cycles of up to
-    ``VQUEUE_LOOP_MAX_CYCLE_TOKENS`` tokens of identical ids as they happen; this reads an
-    answer that ran to ``max_tokens`` for the rest, so that it is retried as a loop (a
-    frequency penalty) rather than given more room to loop in. Characters, not tokens: one
-    cycle ends where ``max_tokens`` cut it, anywhere in its text, which periodicity does not
-    mind."""
-    tail = _DIGITS.sub("#", text[-REPEAT_COPIES * REPEAT_MAX_CHARS * 2 :])
-    for p in range(REPEAT_MIN_CHARS, min(REPEAT_MAX_CHARS, len(tail) // REPEAT_COPIES) + 1):
-        w = tail[-REPEAT_COPIES * p :]
-        if w[:-p] == w[p:] and w[:p].strip():
-            return True
-    return False
-
-
-def _as_loop(gen: Generation, loops: Any) -> Generation:
-    """A generation cut off at ``max_tokens`` in a repeating tail (``repeats_at_end``), where
-    loops are watched, ends as a loop, as if the engine had stopped it."""
-    if gen.finish_reason == "length" and loops is not None and repeats_at_end(gen.text):
-        return dataclasses.replace(gen, finish_reason="repetition")
-    return gen
-
-
-def loop_detection(job: Any, settings: Settings, plan: Plan | None = None) -> Any:
-    """vLLM's ``RepetitionDetectionParams`` for the job, or None where loops are not watched.
-    Pattern sizes up to the longest cycle, from half of it but at most ``SHORTEST_PATTERN``: a
-    cycle of ``c`` tokens repeats as every multiple of ``c``, and that range holds one for every
-    ``c`` up to the longest, so a short cycle counts only once its copies span a few dozen
-    tokens ("-----", "0, 0, 0" are text, not loops). Where the plan has no ``loop-check``
-    (``worker.vllm_ext.loops``), vLLM's own check runs, whose cost grows with the range: the
-    default then covers cycles of up to ``LOOP_FALLBACK_TOKENS``, and a value set on purpose
-    is kept."""
-    mode = settings.loop_detection
-    if mode == "off" or job.ignore_eos or (mode == "json" and not _wants_json(job)):
-        return None
-    longest = settings.loop_max_cycle_tokens
-    own = plan is not None and plan.loop_check
-    if not own and "loop_max_cycle_tokens" not in settings.model_fields_set:
-        longest = min(longest, LOOP_FALLBACK_TOKENS)
-    try:
-        shortest = min(longest // 2 + 1, SHORTEST_PATTERN)
-        return _repetition_params(longest, shortest, settings.loop_min_repeats)
-    except ImportError:  # vLLM before 0.26: jobs run as they did, loops and all
-        _warn_once("this vLLM has no repetition detection: loops are not caught")
-        return None
-
-
-@functools.cache
-def _repetition_params(longest: int, shortest: int, repeats: int) -> Any:
-    """One ``RepetitionDetectionParams`` for every job that watches the same loops: vLLM
-    reads it and never changes it, and building one runs pydantic's checks."""
-    from vllm.sampling_params import RepetitionDetectionParams
-
-    return RepetitionDetectionParams(
-        max_pattern_size=longest, min_pattern_size=shortest, min_count=repeats
-    )
 
 
 def _attempts(plan: JobPlan, result: JobResult, penalty: float) -> Generation:
@@ -636,177 +499,12 @@ def _attempt(
     )
 
 
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        log.warning(message)
-
-
 def _left(deadline: float) -> float:
     """Seconds until ``deadline``; none left is a timeout before the engine sees the request."""
     left = deadline - time.monotonic()
     if left <= 0:
         raise JobTimeout("the job's time ran out before its next attempt")
     return left
-
-
-def retry_sampling(job: Any, policy: EarlyStop, k: int) -> tuple[float, int | None]:
-    """Temperature and seed of attempt ``k`` (0: the job's own). Retries take a new seed (the
-    job's seed plus k when it set one, so a rerun repeats them) and a lower temperature; a
-    greedy job's retries sample, since greedy would walk into the same abort; the last attempt
-    is greedy when ``greedy_last``."""
-    if k == 0:
-        return job.temperature, job.seed
-    seed = retry_seed(job, k)
-    if k == policy.max_retries and policy.greedy_last:
-        return 0.0, seed
-    if job.temperature > 0:
-        return job.temperature * policy.retry_temperature_scale**k, seed
-    return policy.greedy_retry_temperature, seed
-
-
-def clean_job(job: Any) -> tuple[Any, int]:
-    """The job with its texts cleaned (``prompts.clean``), and how many characters went."""
-    updates: dict[str, Any] = {}
-    for name, prose in (("text", True), ("context", False), ("prompt", False)):
-        value = field_of(job, name)
-        if value:
-            updates[name] = clean(value, prose)
-    if instruction := field_of(job, "instruction"):  # prose that may hold code
-        updates["instruction"] = clean_instruction(instruction)
-    if isinstance(job, ChatJob):
-        updates["messages"] = [
-            m.model_copy(update={"content": clean(m.content, prose=False)}) for m in job.messages
-        ]
-    removed = sum(len(getattr(job, k)) - len(v) for k, v in updates.items() if k != "messages")
-    if "messages" in updates:
-        removed += sum(
-            len(a.content) - len(b.content)
-            for a, b in zip(job.messages, updates["messages"], strict=True)
-        )
-    return (job.model_copy(update=updates) if removed else job), removed
-
-
-# The field holding each type's document: what the input limit counts and truncation cuts.
-DOCUMENT = {"summarize": "text", "extract": "text", "codegen": "context"}
-_MARK = "\n[...]\n"  # where head_tail truncation removed the middle
-
-
-def fit_input(
-    job: Any, engine: Any, settings: Settings, want: int
-) -> tuple[Any, int, tuple[str, list[int]] | None]:
-    """Apply the job type's input limit with the model's tokenizer: the job, possibly with its
-    document cut by the truncation policy, how many tokens were cut, and, when the document had
-    to be encoded to tell, the document as it now stands with its ids (for ``render``'s
-    ``known``, so that it is not encoded twice).
-
-    The document may have at most ``max_input_tokens`` tokens, and no more than fit the context
-    with ``want`` tokens left to answer. Past the type's limit, ``reject`` fails the job with
-    ``input_too_long``; past the context, with ``prompt_too_long``.
-    """
-    if isinstance(job, ChatJob):  # never cut; run_job checks its rendered prompt's length
-        return job, 0, None
-    limit = job.max_input_tokens or settings.max_input_tokens(job.type)
-    field = DOCUMENT[job.type]
-    doc = getattr(job, field) or ""
-    # the answer's room, and a few tokens of slack: a cut text may re-tokenize a little longer
-    fits_context = settings.max_model_len - max(want, MIN_ANSWER_TOKENS) - 8
-    if len(doc.encode()) <= min(limit, fits_context):  # a token is at least a byte
-        return job, 0, None
-    empty = job.model_copy(update={field: ""})
-    overhead = len(engine.chat_prompt(build_messages(empty, settings)))
-    room = fits_context - overhead
-    ids = engine.encode(doc)
-    if len(ids) <= min(limit, room):
-        return job, 0, (doc, ids)
-    policy = job.truncation or settings.truncation(job.type)
-    if policy == "reject" or min(limit, room) < 1:
-        if len(ids) > limit:
-            raise JobFailed(
-                "input_too_long",
-                f"the {field} is {len(ids)} tokens; the {job.type} limit is {limit} "
-                f"(VQUEUE_MAX_INPUT_TOKENS_{job.type.upper()} or the job's max_input_tokens)",
-            )
-        raise JobFailed(
-            "prompt_too_long",
-            f"the {field} is {len(ids)} tokens; {max(room, 0)} fit the model's context of "
-            f"{settings.max_model_len} with {want} left to answer",
-        )
-    mark = engine.encode(_MARK)
-    keep = max(min(limit, room) - len(mark), 1)
-    if policy == "head":
-        kept = ids[:keep]
-        text = engine.decode(kept)
-    elif policy == "tail":
-        kept = ids[-keep:]
-        text = engine.decode(kept)
-    else:
-        head, tail = ids[: keep // 2], ids[len(ids) - (keep - keep // 2) :]
-        kept = head + mark + tail
-        text = engine.decode(head) + _MARK + engine.decode(tail)
-    return job.model_copy(update={field: text}), len(ids) - keep, (text, kept)
-
-
-def sampling_params(
-    job: Any,
-    max_tokens: int,
-    temperature: float | None = None,
-    seed: int | None = None,
-    grammar: dict[str, Any] | None = None,
-    loops: Any = None,
-    frequency_penalty: float = 0.0,
-) -> Any:
-    # from its module, not ``vllm``'s lazy top level, which imports anew at every call
-    from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-
-    structured = None
-    schema = _schema_of(job)
-    if schema is not None:
-        structured = StructuredOutputsParams(json=grammar or generation_schema(schema))
-    elif isinstance(job, ChatJob) and job.json_object:
-        structured = StructuredOutputsParams(json_object=True)
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=job.temperature if temperature is None else temperature,
-        top_p=job.top_p,
-        seed=job.seed if seed is None else seed,
-        stop=job.stop or None,
-        min_tokens=min(job.min_tokens, max_tokens),
-        ignore_eos=job.ignore_eos,
-        structured_outputs=structured,
-        **({"repetition_detection": loops} if loops is not None else {}),
-        # a retry after a loop penalizes repeats at least as much as the job asked
-        frequency_penalty=(
-            max(frequency_penalty, job.frequency_penalty)
-            if frequency_penalty
-            else job.frequency_penalty
-        ),
-        presence_penalty=job.presence_penalty,
-        logit_bias=job.logit_bias or None,
-        logprobs=job.logprobs if isinstance(job, ChatJob) else None,
-        # Only the final output crosses back to the task thread: no per-token work in Python.
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
-
-
-def _schema_of(job: Any) -> dict[str, Any] | None:
-    """The schema an extract job (or a chat job from an OpenAI json_schema line) must satisfy."""
-    schema: dict[str, Any] | None = field_of(job, "json_schema")
-    return schema
-
-
-def field_of(job: Any, name: str) -> Any:
-    """The job's field ``name``, None when its type has no such field. Read from the model's
-    fields: ``getattr(job, name, None)`` on a pydantic model without it goes through pydantic's
-    ``__getattr__``, which raises and catches an error each time, several times a job."""
-    return job.__dict__.get(name)
-
-
-def _wants_json(job: Any) -> bool:
-    return _schema_of(job) is not None or (isinstance(job, ChatJob) and job.json_object)
 
 
 _grammar: GrammarCheck | None = None
@@ -832,48 +530,3 @@ def _grammar_check(engine: Any, settings: Settings) -> GrammarCheck:
             getattr(engine, "tokenizer", None), settings.schema_compile_timeout_s
         )
     return _grammar
-
-
-def _read_output(
-    job: Any,
-    text: str,
-    finish_reason: str | None,
-    result: JobResult,
-    max_tokens: int = 0,
-    cut: int = 0,
-) -> None:
-    """Check the output against what the job asked for; a failure keeps ``result.text`` (the
-    partial or invalid output) for the caller to inspect."""
-    if isinstance(job, CodegenJob):
-        result.code = extract_code(text)
-        return
-    schema = _schema_of(job)
-    if schema is None and not (isinstance(job, ChatJob) and job.json_object):
-        return
-    if finish_reason == "repetition":
-        raise JobFailed(
-            "loop",
-            "the model repeated itself in every attempt (a cycle of tokens, "
-            f"VQUEUE_LOOP_MIN_REPEATS times in a row); the last attempt's output was "
-            f"{len(text)} characters",
-        )
-    if finish_reason == "length":
-        retried = f", and at {cut} tokens the first time" if cut else ""
-        raise JobFailed(
-            "schema_incomplete",
-            f"the JSON was cut off at max_tokens={max_tokens}{retried}; the partial output "
-            f"was {len(text)} characters",
-        )
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, and ints over 4,300 digits
-        raise JobFailed("invalid_json", f"the output is not JSON: {exc}"[:500]) from None
-    if schema is not None:
-        try:
-            # the schema was meta-checked at intake; jsonschema.validate() would check it again
-            cls = jsonschema.validators.validator_for(schema)
-            cls(schema, format_checker=cls.FORMAT_CHECKER).validate(data)
-        except jsonschema.ValidationError as exc:
-            where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
-            raise JobFailed("schema_validation", f"at {where}: {exc.message}") from None
-    result.data = data

@@ -8,7 +8,7 @@ the best of three repeats counts:
 - producer: a JSONL line read and checked (``producer.inputs.parse_line``), its envelope made
   and serialized for the wire (``Envelope.wire``, ``protocol.wire.envelope_piece``);
 - worker: the envelope of a message checked (anyone may write one to the queue), vLLM's own
-  ``SamplingParams`` for the job (``worker.runner.sampling_params``), the result built, the
+  ``SamplingParams`` for the job (``worker.sampling.sampling_params``), the result built, the
   record script's call built (the result serialized) and packed by redis-py for a pipeline;
   and, for scale, all of ``run_job`` on the STUB engine.
 
@@ -41,7 +41,8 @@ from protocol.store import BatchStore
 from protocol.wire import envelope_piece
 from schemas import Envelope, JobResult, Settings, Timings, Usage
 from schemas.jobs import CHECKED
-from worker.runner import run_job, sampling_params
+from worker.runner import run_job
+from worker.sampling import sampling_params
 
 ROOT = Path(__file__).resolve().parents[2]
 
