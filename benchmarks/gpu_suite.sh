@@ -7,7 +7,9 @@
 # SCALE multiplies every workload's job count, SCALE_OF one's (prefix=2,long32k=1).
 # WORKLOADS runs some of them (one call's 600 s do not hold all five at full size; merge the
 # calls' suite.json with `python -m benchmarks.gpu_suite --merge A B --out DIR`).
-# KV_GIB sizes each 7B engine's KV cache (20): raw vLLM and the worker both stay loaded, about
+# ROUNDS: paired rounds (3). KV_GIB sizes each engine's KV cache (small: 24; 7b: 20) and UTIL
+# its share of the card (0.28): four engines of the small shape fit an 80 GB card at KV_GIB=13
+# UTIL=0.2. For the 7B shape: raw vLLM and the worker both stay loaded, about
 # 15 GiB of weights and 4 GiB of graphs and activations each beside it, so an 80 GB card needs
 # KV_GIB=12.
 # START_TOGETHER=1 starts raw vLLM and the worker at once (--start-together): one engine start
@@ -23,8 +25,10 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$OUT/gpu-$1.
 case "$1" in
 small)
   python3 -m benchmarks.gpu_suite --model /tmp/models/qwen05 --out "$OUT/suite-05b" \
-    --rounds 3 --scale "${SCALE:-0.6}" --scale-of "${SCALE_OF:-}" --budget-s "${BUDGET:-470}" \
-    --systems "$SYSTEMS" --workloads "${WORKLOADS:-mixed,prefix,long,long32k,json}" \
+    --rounds "${ROUNDS:-3}" --scale "${SCALE:-0.6}" --scale-of "${SCALE_OF:-}" \
+    --budget-s "${BUDGET:-470}" --systems "$SYSTEMS" \
+    --workloads "${WORKLOADS:-mixed,prefix,long,long32k,json}" \
+    ${KV_GIB:+--kv-cache-bytes $((KV_GIB * 1024 ** 3))} ${UTIL:+--gpu-memory-utilization $UTIL} \
     ${START_TOGETHER:+--start-together} ;;
 7b)
   python3 -m benchmarks.shapes qwen2.5-7b /tmp/models/qwen7b --tokenizer /tmp/models/qwen25-tokenizer

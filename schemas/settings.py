@@ -176,10 +176,12 @@ class Settings(BaseSettings):
     # Celery processes a worker runs for its bulk jobs, each a client of its one engine core
     # (vLLM's client_count, as `vllm serve --api-server-count N`), the worker's concurrency
     # split among them. One process's consumer, chat templates, tokenizer calls and vLLM's
-    # output loop share one GIL, and on a GPU short jobs can outrun it (docs/benchmarks.md).
-    # Where this vLLM cannot share its core (compat's shared-core gate) one runs, with its
-    # share of the concurrency, and says so.
-    bulk_processes: int = Field(default=1, ge=1, le=16)
+    # output loop share one GIL, and on a GPU short jobs outrun it (docs/benchmarks.md). Unset,
+    # `vqueue worker` picks for its device (worker/vllm_ext/configure.py: device_bulk_processes):
+    # 4 on a GPU host of 16 cores or more, a quarter of the cores on a smaller one, 1 on a CPU
+    # (whose cores the engine needs). Where this vLLM cannot share its core (compat's
+    # shared-core gate) one runs, with its share of the concurrency, and says so.
+    bulk_processes: int | None = Field(default=None, ge=1, le=16)
     # set by a worker for each of its lanes (internal; worker.app.Lane): its engine core's
     # addresses for that client (worker.vllm_ext.client.CoreAddress), the worker's name, and
     # its pid (the lane exits when it is gone)
@@ -421,7 +423,7 @@ class Settings(BaseSettings):
 
     def bulk_share(self) -> int:
         """Each bulk process's jobs at once: the worker's concurrency split among them."""
-        return max(1, -(-self.worker_concurrency() // self.bulk_processes))
+        return max(1, -(-self.worker_concurrency() // (self.bulk_processes or 1)))
 
     def default_max_tokens(self, job_type: str) -> int:
         return int(getattr(self, f"max_tokens_{job_type}"))

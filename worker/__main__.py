@@ -20,7 +20,7 @@ from protocol.exits import RET_CONFIG, RET_USAGE
 from schemas import get_settings
 from schemas.settings import describe_settings_error
 
-from .vllm_ext.configure import device_max_num_seqs
+from .vllm_ext.configure import device_bulk_processes, device_max_num_seqs
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -114,7 +114,10 @@ def main(
             os.environ["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
         env["VQUEUE_MAX_NUM_SEQS"] = str(device_max_num_seqs())
         ws = ws.model_copy(update={"max_num_seqs": int(env["VQUEUE_MAX_NUM_SEQS"])})
-    if s.urgent_concurrency or s.bulk_processes > 1:  # its lanes' metrics are served from here
+    if s.bulk_processes is None:  # the device's default, resolved once for every lane
+        env["VQUEUE_BULK_PROCESSES"] = str(device_bulk_processes())
+        ws = ws.model_copy(update={"bulk_processes": int(env["VQUEUE_BULK_PROCESSES"])})
+    if ws.urgent_concurrency or (ws.bulk_processes or 1) > 1:  # lanes' metrics are served here
         import tempfile
 
         env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vqueue-metrics-")

@@ -561,7 +561,7 @@ def _engine(engine_class: Any, worker: Any) -> Any:
 
     if settings.engine_client:
         return engine_class(settings, join=CoreAddress.parse(settings.engine_client))
-    bulk = settings.bulk_processes
+    bulk = settings.bulk_processes or 1
     lanes = ["bulk"] * (bulk - 1) + (["urgent"] if settings.urgent_concurrency else [])
     if not lanes or engine_class.__module__ != "worker.engine":
         return engine_class(settings)

@@ -242,6 +242,33 @@ def device_max_num_seqs() -> int:
     return 1024 if big else 256
 
 
+# Bulk Celery processes a GPU worker runs unless told (Settings.bulk_processes): each is one more
+# of vLLM's front ends to the engine core, with its own GIL for chat templates, tokenizer calls
+# and output processing; four is where the suite's rows stopped gaining (docs/benchmarks.md)
+GPU_BULK_PROCESSES = 4
+
+
+def device_bulk_processes() -> int:
+    """Bulk processes when ``VQUEUE_BULK_PROCESSES`` is unset: on a GPU, ``GPU_BULK_PROCESSES``
+    where the host has a core for each of them beside the engine's (16 cores or more), else a
+    quarter of its cores; on a CPU one, since the engine itself computes on the cores."""
+    if not _cuda_usable():
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(GPU_BULK_PROCESSES, (cores or 4) // 4))
+
+
+def _cuda_usable() -> bool:
+    if not os.path.exists("/dev/nvidiactl"):
+        return False
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001  # no usable CUDA
+        return False
+
+
 def gpu_count() -> int:
     try:
         import torch
