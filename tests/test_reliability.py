@@ -270,9 +270,9 @@ def test_twenty_redis_restarts_in_a_row(procs: Procs, fault_redis: RedisServer) 
             last, since = _done(client, batch), time.monotonic()
         time.sleep(0.5)
     # A job that Redis handed out (BRPOP) just as it shut down, before kombu recorded it as
-    # unacknowledged, goes back to its list once Redis answers (worker.app.Limbo); a worker
-    # killed in that window still loses it (docs/reliability.md). Should one go missing, it is
-    # not lost for the batch: its id was claimed and has no result, so sending the input again
+    # unacknowledged, goes back to its list once Redis answers (worker.kombu_patches.Limbo); a
+    # worker killed in that window still loses it (docs/reliability.md). Should one go missing,
+    # it is not lost for the batch: its id was claimed and has no result, so sending the input again
     # as lost (``Client.resend``, what ``vqueue submit --wait`` does once nothing has come for
     # the visibility timeout) sends exactly the unfinished ones; the report counts them. A plain
     # re-submission would not: it leaves a claimed id to the message already queued for it
@@ -298,7 +298,7 @@ def test_an_ack_on_a_closed_channel_is_a_connection_error(fault_redis: RedisServ
     # unrecoverable)
     from kombu import Connection
 
-    from worker.app import guard_closed_channels
+    from worker.kombu_patches import guard_closed_channels
 
     guard_closed_channels()
     conn = Connection(fault_redis.url)
@@ -320,7 +320,7 @@ def test_a_job_taken_as_redis_goes_away_goes_back_to_its_list(fault_redis: Redis
     from kombu import Connection
 
     from protocol.wire import PRIORITY_SEP, PRIORITY_STEPS
-    from worker.app import guard_closed_channels, limbo
+    from worker.kombu_patches import guard_closed_channels, limbo
 
     guard_closed_channels()
     client = _client(fault_redis.url)

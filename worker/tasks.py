@@ -44,7 +44,8 @@ from schemas.jobs import BATCH_PATTERN, CHECKED
 from schemas.results import ErrorType
 
 from . import metrics
-from .app import app, engine_died, settings, state, while_full, while_full_each
+from .app import app, engine_died, settings, state
+from .backoff import while_full, while_full_each
 from .errors import EngineDead, JobsFailed
 
 log = logging.getLogger(__name__)
