@@ -29,6 +29,7 @@ from protocol.routing import model_queue, move_all, rescue_orphans, urgent_queue
 from protocol.wire import PRIORITY_SEP, PRIORITY_STEPS, task_name
 from schemas import JOB_TYPES, Settings, get_settings
 
+from .context import Context
 from .kombu_patches import guard_closed_channels, reuse_broker_clients
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,7 @@ class _WorkerState:
 
 
 state = _WorkerState()
+ctx = Context(settings, state)  # what tasks and hooks share, built as they need it
 _dying_lock = threading.Lock()
 
 
@@ -394,23 +396,18 @@ def _close_engine(**_: Any) -> None:
         move_all(_broker(), worker_queue(settings.queue, state.name), settings.queue)
     except Exception as exc:  # noqa: BLE001  # a live worker's heartbeat rescues them later
         log.warning("could not hand this worker's own queue back: %s", exc)
+    ctx.close()
     if state.engine is not None:
         state.engine.close()
 
 
 def _store() -> Any:
-    from protocol.store import BatchStore
-
-    return BatchStore.from_settings(settings)
+    return ctx.store
 
 
 def _broker() -> Any:
     """A client of the broker's Redis (the queues), which may not be the result store's."""
-    from protocol.store import BatchStore
-
-    if settings.broker_url == settings.backend_url():
-        return _store().r
-    return BatchStore.from_url(settings.broker_url, retry_s=settings.redis_retry_s).r
+    return ctx.broker
 
 
 def warn_if_redis_may_evict(client: Any, what: str) -> str | None:

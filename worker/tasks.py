@@ -22,7 +22,6 @@ import queue
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, TypeVar
 
 from celery import Task, signals
@@ -44,26 +43,16 @@ from schemas.jobs import BATCH_PATTERN, CHECKED
 from schemas.results import ErrorType
 
 from . import metrics
-from .app import app, engine_died, settings, state
+from .app import app, ctx, engine_died, settings, state
 from .backoff import while_full, while_full_each
 from .errors import EngineDead, JobsFailed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_store: Any = None
-_lock = threading.Lock()
 
 
 def store() -> Any:
-    global _store
-    if _store is None:
-        from protocol.store import BatchStore
-
-        _store = BatchStore.from_settings(settings)
-    return _store
-
-
-_router: Any = None
+    return ctx.store
 
 
 def _serving_queue(env: Envelope) -> str | None:
@@ -71,57 +60,8 @@ def _serving_queue(env: Envelope) -> str | None:
     that serves it, where the job belongs (a dead worker's queue is rescued to the shared one
     whole, and a producer's view of the fleet lags it by up to two seconds), or the model's own
     queue to wait in (``Settings.unserved_model``); None: fail it here."""
-    global _router
-    from protocol.routing import Router
-
-    with _lock:
-        if _router is None:
-            from .app import _broker
-
-            wait = settings.unserved_model == "wait"
-            _router = Router(store(), _broker(), settings.queue, by_prefix=False, wait=wait)
-    queue, _ = next(iter(_router.route([env]).items()))
+    queue, _ = next(iter(ctx.router.route([env]).items()))
     return None if queue == settings.queue else str(queue)
-
-
-_templates: Any = None
-
-
-def templates() -> Any:
-    global _templates
-    if _templates is None:
-        from .structured import Templates
-
-        _templates = Templates(lambda name, tenant: store().template(name, tenant))
-    return _templates
-
-
-_cache: Any = None
-
-
-def result_cache() -> Any:
-    """The worker's result cache (``worker.cache``), None when ``VQUEUE_RESULT_CACHE`` is off.
-    Its weight fingerprints are read once, at the first job."""
-    global _cache
-    if not settings.result_cache:
-        return None
-    with _lock:
-        if _cache is None:
-            import redis
-
-            from .cache import ResultCache
-            from .models import weights_fingerprint
-
-            engine = state.engine
-            # an engine stub (benchmarks, queue tests) has no weights: its name stands in
-            base = weights_fingerprint(getattr(engine, "model_path", engine.model_name))
-            weights = {name: base for name in engine.model_names}
-            for name, (_, _, path) in engine.adapters.items():
-                weights[name] = f"{base}:{weights_fingerprint(path)}"
-            url = settings.result_cache_url
-            r = redis.Redis.from_url(url, socket_timeout=5) if url else store().r
-            _cache = ResultCache(r, settings.key_prefix, settings, weights)
-    return _cache
 
 
 # Redis errors that a retry can outlast: the server restarting, loading its AOF, failing over.
@@ -134,22 +74,8 @@ TRANSIENT_REDIS = (
 )
 
 
-_permits: threading.BoundedSemaphore | None = None
 # how often a pack's thread, waiting for its next job's permit, looks for a permit again
 PERMIT_POLL_S = 0.05
-_pack_pool: ThreadPoolExecutor | None = None
-
-
-def permits() -> threading.BoundedSemaphore:
-    """The jobs this process runs at once, single or packed: its Celery pool's size (its share
-    of the worker's concurrency), which the pool itself bounds only while every message is one
-    job."""
-    global _permits
-    if _permits is None:
-        with _lock:
-            slots = state.slots or settings.worker_concurrency()
-            _permits = _permits or threading.BoundedSemaphore(slots)
-    return _permits
 
 
 class _Prefetch:
@@ -232,12 +158,6 @@ def run_pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
 
 
 def _pack(who: Delivery, payloads: list[Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    global _pack_pool
-    if _pack_pool is None:  # threads start as jobs need them; permits bound how many run
-        with _lock:
-            _pack_pool = _pack_pool or ThreadPoolExecutor(
-                state.slots or settings.worker_concurrency(), "vqueue-pack"
-            )
     summary: dict[str, Any] = {"jobs": len(payloads)}
     ends: list[dict[str, Any]] = []  # each job's own summary
 
@@ -266,7 +186,7 @@ def _pack(who: Delivery, payloads: list[Any]) -> tuple[dict[str, Any], list[dict
         except BaseException as exc:  # Reject, or worse: raised once the rest have ended
             outcome = exc
         finally:
-            permits().release()
+            ctx.permits.release()
         ended.put((payload, outcome))
 
     to_run: list[tuple[dict[str, Any], Envelope, int]] = []
@@ -318,13 +238,13 @@ def _pack(who: Delivery, payloads: list[Any]) -> tuple[dict[str, Any], list[dict
                 metrics.observe_many(observed)
                 results = []
             # a permit is waited for only while none of this pack runs
-            while waiting and permits().acquire(blocking=not running):
+            while waiting and ctx.permits.acquire(blocking=not running):
                 job = waiting.popleft()
                 running += 1
                 if len(to_run) == 1:  # a pack of one (an urgent job, a short batch): here
                     generate(*job)
                 else:
-                    _pack_pool.submit(generate, *job)
+                    ctx.pack_pool.submit(generate, *job)
             if not running:
                 break
             try:  # at least one, then whatever else has ended meanwhile
@@ -399,7 +319,7 @@ def _admitted(
         # the second finds the first's result (``start``'s done)
         from protocol.wire import send_envelopes
 
-        while_full("forward", lambda: send_envelopes(_router.broker, [env], home))
+        while_full("forward", lambda: send_envelopes(ctx.broker, [env], home))
         return {"id": env.job.id, "status": "forwarded", "to": home}
     return None
 
@@ -438,7 +358,7 @@ def _generated(
     from .runner import run_job
 
     try:
-        result = run_job(env, state.engine, settings, who.worker, templates(), result_cache())
+        result = run_job(env, state.engine, settings, who.worker, ctx.templates, ctx.result_cache)
     except EngineDead:
         engine_died()
         raise Reject("the engine died; the job goes back to the queue", requeue=True) from None
