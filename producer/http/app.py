@@ -60,10 +60,9 @@ def _expires_after(form: Any) -> int | str | None:
 
 
 def create_app(settings: Settings | None = None) -> Any:
-    from fastapi import Depends, FastAPI, Header, HTTPException, Request
+    from fastapi import FastAPI, Header, Request
     from fastapi.concurrency import run_in_threadpool
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import FileResponse, JSONResponse, Response
+    from fastapi.responses import Response
     from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
     s = settings or get_settings()
@@ -114,9 +113,33 @@ def create_app(settings: Settings | None = None) -> Any:
         requests_total.labels(request.method, path, str(response.status_code)).inc()
         return response
 
-    def fail(status: int, message: str, code: str | None = None) -> HTTPException:
-        return HTTPException(status, {"message": message, "type": "invalid_request_error",
-                                      "param": None, "code": code})  # fmt: skip
+    def tenant(authorization: str | None = Header(default=None)) -> str:
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise fail(401, "missing bearer API key (Authorization: Bearer ...)", "invalid_api_key")
+        t = store.tenant_of(authorization[7:].strip())
+        if t is None:
+            raise fail(401, "invalid API key", "invalid_api_key")
+        return t
+
+    _openai_errors(app)
+    _fleet_routes(app, store, tenant)
+    _file_routes(app, s, store, tenant)
+    _batch_routes(app, s, store, batches, tenant)
+    return app
+
+
+def fail(status: int, message: str, code: str | None = None) -> Any:
+    """An error as OpenAI's API answers it (``_openai_errors`` shapes it)."""
+    from fastapi import HTTPException
+
+    return HTTPException(status, {"message": message, "type": "invalid_request_error",
+                                  "param": None, "code": code})  # fmt: skip
+
+
+def _openai_errors(app: Any) -> None:
+    from fastapi import HTTPException, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
 
     @app.exception_handler(HTTPException)
     async def openai_errors(_request: Request, exc: HTTPException) -> JSONResponse:
@@ -135,13 +158,10 @@ def create_app(settings: Settings | None = None) -> Any:
                  "type": "invalid_request_error", "code": "invalid_request"}  # fmt: skip
         return JSONResponse({"error": error}, status_code=400)
 
-    def tenant(authorization: str | None = Header(default=None)) -> str:
-        if not authorization or not authorization.lower().startswith("bearer "):
-            raise fail(401, "missing bearer API key (Authorization: Bearer ...)", "invalid_api_key")
-        t = store.tenant_of(authorization[7:].strip())
-        if t is None:
-            raise fail(401, "invalid API key", "invalid_api_key")
-        return t
+
+def _fleet_routes(app: Any, store: ApiStore, tenant: Any) -> None:
+    """Health and the models the live workers serve."""
+    from fastapi import Depends
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
@@ -165,6 +185,13 @@ def create_app(settings: Settings | None = None) -> Any:
             for model in names:
                 since[model] = min(since.get(model, started), started)
         return ModelList(data=[ModelObject(id=m, created=t) for m, t in sorted(since.items())])
+
+
+def _file_routes(app: Any, s: Settings, store: ApiStore, tenant: Any) -> None:
+    """OpenAI's Files API: a tenant's uploads, their contents, their deletion."""
+    from fastapi import Depends, Request
+    from fastapi.concurrency import run_in_threadpool
+    from fastapi.responses import FileResponse
 
     @app.post("/v1/files", response_model=FileObject)
     async def upload(request: Request, who: str = Depends(tenant)) -> FileObject:
@@ -227,6 +254,12 @@ def create_app(settings: Settings | None = None) -> Any:
             raise fail(404, f"no file {fid!r}")
         return FileDeleted(id=fid, deleted=True)
 
+
+def _batch_routes(app: Any, s: Settings, store: ApiStore, batches: Batches, tenant: Any) -> None:
+    """OpenAI's Batches API: create, read, list, cancel."""
+    from fastapi import Depends, HTTPException
+    from fastapi.concurrency import run_in_threadpool
+
     @app.post("/v1/batches", response_model=BatchObject)
     async def create_batch(req: BatchCreate, who: str = Depends(tenant)) -> BatchObject:
         f = await run_in_threadpool(store.file, who, req.input_file_id)
@@ -282,8 +315,6 @@ def create_app(settings: Settings | None = None) -> Any:
         if b is None:
             raise fail(404, f"no batch {bid!r}")
         return b
-
-    return app
 
 
 class BodyLimit:
