@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import jsonschema
@@ -165,6 +166,20 @@ class _JobBase(BaseModel):
         return v
 
 
+# Whether guided decoding can enforce a schema is llguidance's to say, asked in child processes
+# (I/O, which these models do not do): the side that validates jobs as they enter installs that
+# check (``producer.grammar_check``, as ``producer`` is imported). Without one, as in a worker,
+# which compiles every schema itself, a schema gets only the checks below.
+_enforceable: Callable[[str], str | None] | None = None
+
+
+def set_enforceability_check(check: Callable[[str], str | None] | None) -> None:
+    """Install ``check`` (a schema's JSON text -> why it cannot be enforced, or None) for every
+    ``json_schema`` validated from now on without the ``CHECKED`` context."""
+    global _enforceable
+    _enforceable = check
+
+
 def _check_json_schema(schema: dict[str, Any], grammar: bool = True) -> dict[str, Any]:
     """Reject schemas that are invalid, too large or deep, or that guided decoding cannot
     enforce (``grammar``), naming the problem."""
@@ -172,17 +187,15 @@ def _check_json_schema(schema: dict[str, Any], grammar: bool = True) -> dict[str
     if len(text) > MAX_SCHEMA_CHARS:
         raise ValueError(f"json_schema is {len(text)} characters; the limit is {MAX_SCHEMA_CHARS}")
     problem = _schema_problem(text)
-    if problem is None and grammar:
-        from . import grammar_check
-
-        problem = grammar_check.problem(text)
+    if problem is None and grammar and _enforceable is not None:
+        problem = _enforceable(text)
     if problem:
         raise ValueError(problem)
     return schema
 
 
 # Validation context of a job already checked: producers asked llguidance whether guided
-# decoding can enforce its schema (``schemas/grammar_check.py``) before it reached Redis, and a
+# decoding can enforce its schema (``producer/grammar_check.py``) before it reached Redis, and a
 # worker compiles every schema itself and fails what does not compile (worker/structured.py).
 CHECKED = {"grammar_checked": True}
 

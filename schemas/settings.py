@@ -350,7 +350,7 @@ class Settings(BaseSettings):
     # what a producer does at a limit: wait (with a message on stderr) or refuse (exit 7)
     on_limit: Literal["wait", "refuse"] = "wait"
     # whether guided decoding can enforce a job's JSON Schema is asked of llguidance in child
-    # processes (schemas/grammar_check.py): this many at once per producer process, one tenant
+    # processes (producer/grammar_check.py): this many at once per producer process, one tenant
     # holding at most half of them; each killed past the time limit, and aborted past the
     # memory limit (its address space). Either refuses the schema.
     schema_check_processes: int = Field(default=4, ge=1, le=64)

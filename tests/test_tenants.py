@@ -26,8 +26,8 @@ import pytest
 import redis
 from pydantic import ValidationError
 
+from producer.grammar_check import Checker, Limits
 from schemas import ExtractJob
-from schemas.grammar_check import Checker, Limits
 
 from .conftest import (
     KEY_PREFIX,

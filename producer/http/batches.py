@@ -160,8 +160,8 @@ class Batches:
         """Check every line of the input file, then enqueue them all, or fail the batch; it
         runs off the request, so whatever goes wrong ends the batch ``failed``, saying why,
         never leaves it ``validating``. Its schemas are checked as this tenant's, so they never
-        take every schema check from the others (``schemas.grammar_check``)."""
-        from schemas import grammar_check
+        take every schema check from the others (``producer.grammar_check``)."""
+        from .. import grammar_check
 
         as_tenant = grammar_check.tenant.set(tenant)
         try:

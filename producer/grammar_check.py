@@ -13,8 +13,10 @@ while it waits for one.
 
 A definite answer (enforceable, or what llguidance refuses, or out of memory) is remembered by
 schema text; a time-out or a wait for a free child is not, since the same schema can pass on
-an idle host. The validators in ``schemas/jobs.py`` call ``problem``: every producer path
-(CLI, client, HTTP API) validates through those models, which is why this lives beside them.
+an idle host. The validators in ``schemas/jobs.py`` ask it through the hook it installs as
+``producer`` is imported (``install``): every producer path (CLI, client, HTTP API) validates
+through those models, while ``schemas/`` itself does no I/O, and a worker, which compiles
+every schema itself (``worker/structured.py``), never starts these children.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Limits:
 
     @classmethod
     def from_settings(cls) -> Limits:
-        from .settings import get_settings
+        from schemas.settings import get_settings
 
         s = get_settings()
         children = s.schema_check_processes
@@ -251,3 +253,10 @@ for line in sys.stdin:
     sys.stdout.write(json.dumps(error) + "\\n")
     sys.stdout.flush()
 """
+
+
+def install() -> None:
+    """Make this the enforceability check of the job models' validators (``schemas.jobs``)."""
+    from schemas import jobs
+
+    jobs.set_enforceability_check(problem)
