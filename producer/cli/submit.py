@@ -7,8 +7,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
 import click
 
@@ -31,6 +32,7 @@ from schemas import (
 
 if TYPE_CHECKING:
     from ..feed import Feed
+    from ..inputs import Parsed
 
 from .base import (
     MAX_ECHOED_ERRORS,
@@ -122,23 +124,9 @@ def submit(
     """
     from ..client import new_batch_id
     from ..feed import Feed, run_in_thread
-    from ..inputs import Parsed, expected_lines, rejected_result
+    from ..inputs import expected_lines
 
-    share = None
-    if canary is not None:
-        from ..canary import parse_share
-
-        try:
-            share = parse_share(canary)
-        except ValueError as exc:
-            fail(f"--canary: {exc}", RET_USAGE)
-        if file == "-":
-            fail("--canary needs a file: its lines are read once for the canary", RET_USAGE)
-    if (out_path or errors_path) and not wait:
-        fail("--out and --errors need --wait (or use 'vqueue results BATCH' later)", RET_USAGE)
-    if take and not out_path:
-        fail("--take needs --wait and --out: results leave Redis once written there", RET_USAGE)
-    _check_batch(batch_id)
+    share = _options_checked(file, wait, out_path, errors_path, batch_id, canary, take)
     try:
         fh: BinaryIO = sys.stdin.buffer if file == "-" else open(file, "rb")  # noqa: SIM115
     except OSError as exc:
@@ -167,60 +155,18 @@ def submit(
         # again to say which line was which), by their id.
         by_line = source is not None and (created or client.store.feed_state(batch)[2] == source)
 
-        def reject(p: Parsed, error: str) -> None:
-            """A bad line: echoed (the first few), and in the errors file in the line's own
-            format, as its batch's failed results are."""
-            if feed.rejected <= MAX_ECHOED_ERRORS:
-                bar.write(f"line {p.line}: {error}", file=sys.stderr)
-            if errors_out:
-                ident = p.custom_id or (p.job.id if p.job is not None else None)
-                if p.format == "vqueue":
-                    errors_out.write(rejected_result(batch, p, ident, error).model_dump_json())
-                else:
-                    errors_out.write(json.dumps(rejected_line(ident, p.line, error)))
-                errors_out.write("\n")
-
+        reject = _rejecter(batch, bar, errors_out, lambda: feed.rejected)
         feed = Feed(
             client, batch, fh, source, priority=priority, system=system, cache=not no_cache,
             by_line=by_line, skip=skip, on_reject=reject, on_bytes=bar.update,
         )  # fmt: skip
         ran_canary = 0  # the canary's jobs, sent before the feed (which skips them)
         if share is not None and created:
-            sample = feed.canary(share)
-            if not sample:
-                bar.close()
-                client.store.delete(batch)
-                fail(f"{file}: no valid job among the canary's lines", RET_INPUT)
-            ran_canary, report = _canary(client, batch, sample, quiet, timeout)
             options = {"priority": priority, "system": system, "no_cache": no_cache}
-            client.store.canary_ended(batch, report, options)
-            if not report.passed:
-                bar.close()
-                if as_json:
-                    click.echo(json.dumps({"batch": batch, "paused": True,
-                                           "canary": report.model_dump()}))  # fmt: skip
-                else:
-                    click.echo(batch)  # as on success: a script reads the batch id from stdout
-                fail(f"batch {batch} paused: {_canary_words(batch, report)}", RET_PAUSED)
-            _say(f"batch {batch}: its canary passed ({report.summary()}); sending the rest")
+            ran_canary = _canary_first(feed, share, bar, file, quiet, timeout, as_json, options)
         elif share is not None:
             _say(f"batch {batch} exists: no canary runs for the rest of its input")
-
-        from ..errors import Refused, SubmissionStopped
-
         st: BatchStatus | None = None
-
-        def feed_failed() -> None:
-            exc = outcome.get("error")
-            if exc is None:
-                return
-            bar.close()
-            if isinstance(exc, Refused):
-                fail(f"{exc}; the jobs before it are enqueued in batch {batch}", RET_REFUSED)
-            if isinstance(exc, SubmissionStopped):
-                click.echo(batch)  # as on success: a script reads the batch id from stdout
-                fail(str(exc), RET_STOPPED)
-            raise exc
 
         def resend() -> None:
             sent = feed.resend()
@@ -251,10 +197,96 @@ def submit(
                      f"send the rest with: vqueue submit {file} --batch {batch}")  # fmt: skip
                 sys.exit(RET_INTERRUPTED)
             _interrupted(batch)
-        feed_failed()
         bar.close()
+        _feed_failed(batch, outcome.get("error"))
         _submitted(client, feed, outcome["handle"], file, errors_path, created, ran_canary,
                    wait, as_json, st)  # fmt: skip
+
+
+def _options_checked(
+    file: str, wait: bool, out_path: str | None, errors_path: str | None,
+    batch_id: str | None, canary: str | None, take: bool,
+) -> float | None:  # fmt: skip
+    """Options that cannot go together, refused before anything is read (exit 2); the
+    canary's share, if one is asked for."""
+    share = None
+    if canary is not None:
+        from ..canary import parse_share
+
+        try:
+            share = parse_share(canary)
+        except ValueError as exc:
+            fail(f"--canary: {exc}", RET_USAGE)
+        if file == "-":
+            fail("--canary needs a file: its lines are read once for the canary", RET_USAGE)
+    if (out_path or errors_path) and not wait:
+        fail("--out and --errors need --wait (or use 'vqueue results BATCH' later)", RET_USAGE)
+    if take and not out_path:
+        fail("--take needs --wait and --out: results leave Redis once written there", RET_USAGE)
+    _check_batch(batch_id)
+    return share
+
+
+def _rejecter(
+    batch: str, bar: Any, errors_out: IO[str] | None, rejected: Callable[[], int]
+) -> Callable[[Parsed, str], None]:
+    """What becomes of a bad line: echoed (the first few), and in the errors file in the
+    line's own format, as its batch's failed results are."""
+    from ..inputs import rejected_result
+
+    def reject(p: Parsed, error: str) -> None:
+        if rejected() <= MAX_ECHOED_ERRORS:
+            bar.write(f"line {p.line}: {error}", file=sys.stderr)
+        if errors_out:
+            ident = p.custom_id or (p.job.id if p.job is not None else None)
+            if p.format == "vqueue":
+                errors_out.write(rejected_result(batch, p, ident, error).model_dump_json())
+            else:
+                errors_out.write(json.dumps(rejected_line(ident, p.line, error)))
+            errors_out.write("\n")
+
+    return reject
+
+
+def _canary_first(
+    feed: Feed, share: float, bar: Any, file: str, quiet: bool, timeout: float | None,
+    as_json: bool, options: dict[str, Any],
+) -> int:  # fmt: skip
+    """Run the canary before the rest is sent: how many jobs it ran, once it passed; a canary
+    that failed pauses the batch and exits 12 (its batch id on stdout, as on success)."""
+    client, batch = feed.client, feed.batch
+    sample = feed.canary(share)
+    if not sample:
+        bar.close()
+        client.store.delete(batch)
+        fail(f"{file}: no valid job among the canary's lines", RET_INPUT)
+    ran, report = _canary(client, batch, sample, quiet, timeout)
+    client.store.canary_ended(batch, report, options)
+    if not report.passed:
+        bar.close()
+        if as_json:
+            click.echo(json.dumps({"batch": batch, "paused": True,
+                                   "canary": report.model_dump()}))  # fmt: skip
+        else:
+            click.echo(batch)
+        fail(f"batch {batch} paused: {_canary_words(batch, report)}", RET_PAUSED)
+    _say(f"batch {batch}: its canary passed ({report.summary()}); sending the rest")
+    return ran
+
+
+def _feed_failed(batch: str, exc: BaseException | None) -> None:
+    """A feed that stopped early, as its exit code: a refusal at a limit (7), Redis refusing
+    a chunk (11, the batch id on stdout: what was sent runs), else what it raised."""
+    from ..errors import Refused, SubmissionStopped
+
+    if exc is None:
+        return
+    if isinstance(exc, Refused):
+        fail(f"{exc}; the jobs before it are enqueued in batch {batch}", RET_REFUSED)
+    if isinstance(exc, SubmissionStopped):
+        click.echo(batch)  # as on success: a script reads the batch id from stdout
+        fail(str(exc), RET_STOPPED)
+    raise exc
 
 
 def _submitted(
