@@ -204,6 +204,8 @@ def test_stopping_a_worker_moves_its_keys_and_loses_nothing(
     batch = client.submit_many(mine)
     rb_queue = worker_queue(Q, rb)
     wait_for(lambda: client.queue_depth(rb_queue) > 0, 10, "rb's backlog")
+    # (rb has answered some: a stop before its first job ran would hand every one back)
+    wait_for(lambda: batch.status().done > 0, 120, "rb's first answers")
     # When rb stops (SIGTERM) with its queue not empty
     assert two_workers["rb"].stop() == 0
     # (a stop asked for is no engine death: vLLM reads as errored while it stops, and nobody
