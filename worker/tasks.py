@@ -158,116 +158,145 @@ def run_pack(task: Task, payloads: list[Any]) -> dict[str, Any]:
 
 
 def _pack(who: Delivery, payloads: list[Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    summary: dict[str, Any] = {"jobs": len(payloads)}
-    ends: list[dict[str, Any]] = []  # each job's own summary
+    pack = _Pack(who, len(payloads))
+    pack.admit(payloads)
+    pack.run()
+    if pack.handed_back is not None:
+        raise pack.handed_back
+    return pack.summary, pack.ends
 
-    def count(end: dict[str, Any]) -> None:
-        ends.append(end)
-        summary[end["status"]] = summary.get(end["status"], 0) + 1
 
-    envs = [(p, _parsed(who, p)) for p in payloads]
-    ready = [(p, e) for p, e in envs if isinstance(e, Envelope)]
-    # (payload, result) to record; first, the messages that do not read as a job
-    results = [(p, e) for p, e in envs if isinstance(e, JobResult)]
-    if ready and state.dying:
-        _hand_back_dying()
-    started = while_full_each(
-        "start", store().start_many, [(e.batch, e.job.id, e.line) for _, e in ready]
-    )
+class _Pack:
+    """One message's jobs on their way: admitted (started in Redis, or answered without a
+    generation), waiting for a permit, generating, ended, recorded. The message's thread
+    drives every stage; a generation's thread only puts what it ended with on ``ended``.
+    Metrics are updated here, once for the jobs that start and once for each group that
+    ends, not in every generation's thread: each update takes the one lock that
+    prometheus_client's multiprocess mode keeps for all of a process's values."""
 
-    # (payload, its result, its summary, or what it raised): each generation's thread puts
-    # its own as it ends, and the pack's thread takes what has ended, whatever the order
-    ended: queue.SimpleQueue[tuple[dict[str, Any], Any]] = queue.SimpleQueue()
+    def __init__(self, who: Delivery, jobs: int) -> None:
+        self.who = who
+        self.summary: dict[str, Any] = {"jobs": jobs}
+        self.ends: list[dict[str, Any]] = []  # each job's own summary
+        self.results: list[tuple[Any, JobResult]] = []  # (payload, result) to record
+        self.to_run: list[tuple[dict[str, Any], Envelope, int]] = []
+        # raised once every job that runs has ended
+        self.handed_back: BaseException | None = None
+        # (payload, its result, its summary, or what it raised), in the order they end
+        self.ended: queue.SimpleQueue[tuple[dict[str, Any], Any]] = queue.SimpleQueue()
 
-    def generate(payload: dict[str, Any], env: Envelope, attempts: int) -> None:
+    def count(self, end: dict[str, Any]) -> None:
+        self.ends.append(end)
+        self.summary[end["status"]] = self.summary.get(end["status"], 0) + 1
+
+    def hand_back(self, exc: Exception) -> None:
+        if self.handed_back is None:
+            self.handed_back = _handed_back(exc)
+
+    def admit(self, payloads: list[Any]) -> None:
+        """Start every job that reads as one in one round trip; those that need no generation
+        (stored already, withdrawn, elsewhere) end here, the rest wait to run."""
+        envs = [(p, _parsed(self.who, p)) for p in payloads]
+        ready = [(p, e) for p, e in envs if isinstance(e, Envelope)]
+        # first, the messages that do not read as a job
+        self.results = [(p, e) for p, e in envs if isinstance(e, JobResult)]
+        if ready and state.dying:
+            _hand_back_dying()
+        started = while_full_each(
+            "start", store().start_many, [(e.batch, e.job.id, e.line) for _, e in ready]
+        )
+        for (payload, env), start in zip(ready, started, strict=True):
+            try:
+                if isinstance(start, RedisError):  # this job's own answer, not the pack's
+                    raise start
+                step = _admitted(self.who, payload, env, start)
+            except TRANSIENT_REDIS as exc:
+                self.hand_back(exc)
+                continue
+            except RedisError as exc:  # retrying cannot fix it
+                self.count(_unrecordable(self.who, payload, exc))
+                continue
+            if isinstance(step, dict):
+                self.count(step)
+            elif step is not None:
+                self.results.append((payload, step))
+            else:
+                self.to_run.append((payload, env, start[1]))
+
+    def record(self) -> None:
+        """Store every result that has ended since the last call, in one round trip."""
+        if not self.results:
+            return
+        observed: list[JobResult] = []
+        try:
+            recorded = while_full_each("record", store().record_many, [r for _, r in self.results])
+        except TRANSIENT_REDIS as exc:
+            self.hand_back(exc)
+        else:
+            for (payload, result), answer in zip(self.results, recorded, strict=True):
+                if isinstance(answer, TRANSIENT_REDIS):
+                    self.hand_back(answer)
+                else:
+                    self.count(_summary(self.who, payload, result, answer, observed))
+        metrics.observe_many(observed)
+        self.results = []
+
+    def generate(self, payload: dict[str, Any], env: Envelope, attempts: int) -> None:
         outcome: Any
         try:
-            outcome = _generated(who, payload, env, attempts)
+            outcome = _generated(self.who, payload, env, attempts)
         except BaseException as exc:  # Reject, or worse: raised once the rest have ended
             outcome = exc
         finally:
             ctx.permits.release()
-        ended.put((payload, outcome))
+        self.ended.put((payload, outcome))
 
-    to_run: list[tuple[dict[str, Any], Envelope, int]] = []
-    handed_back: BaseException | None = None  # raised once every job that runs has ended
-    for (payload, env), start in zip(ready, started, strict=True):
+    def run(self) -> None:
+        """Each job starts once it has a permit (``permits``: the process's jobs at once,
+        whatever their messages); while some of the pack wait for one, this thread records
+        what has ended meanwhile, so that a job that ended is never held back by one still
+        to start (a worker killed then would run it again)."""
+        waiting = collections.deque(self.to_run)
+        running = 0  # started, not ended
+        held = len(self.to_run)  # started or waiting: the in-flight gauge's share
+        metrics.IN_FLIGHT.inc(held)
         try:
-            if isinstance(start, RedisError):  # this job's own answer, not the pack's
-                raise start
-            step = _admitted(who, payload, env, start)
-        except TRANSIENT_REDIS as exc:
-            handed_back = handed_back or _handed_back(exc)
-            continue
-        except RedisError as exc:  # retrying cannot fix it
-            count(_unrecordable(who, payload, exc))
-            continue
-        if isinstance(step, dict):
-            count(step)
-        elif step is not None:
-            results.append((payload, step))
-        else:
-            to_run.append((payload, env, start[1]))
-    # counted by the pack's thread, once for the jobs that start and once for each group that
-    # ends, not in every generation's thread: each update takes the one lock that
-    # prometheus_client's multiprocess mode keeps for all of a process's values
-    # Each job starts once it has a permit (``permits``: the process's jobs at once, whatever
-    # their messages); while some of the pack wait for one, the pack's thread records what has
-    # ended meanwhile, so that a job that ended is never held back by one still to start (a
-    # worker killed then would run it again).
-    waiting = collections.deque(to_run)
-    running = 0  # started, not ended
-    held = len(to_run)  # started or waiting: the in-flight gauge's share of this pack
-    metrics.IN_FLIGHT.inc(held)
-    try:
-        while True:
-            if results:
-                observed: list[JobResult] = []
-                try:
-                    recorded = while_full_each(
-                        "record", store().record_many, [r for _, r in results]
-                    )
-                except TRANSIENT_REDIS as exc:
-                    handed_back = handed_back or _handed_back(exc)
-                else:
-                    for (payload, result), answer in zip(results, recorded, strict=True):
-                        if isinstance(answer, TRANSIENT_REDIS):
-                            handed_back = handed_back or _handed_back(answer)
-                        else:
-                            count(_summary(who, payload, result, answer, observed))
-                metrics.observe_many(observed)
-                results = []
-            # a permit is waited for only while none of this pack runs
-            while waiting and ctx.permits.acquire(blocking=not running):
-                job = waiting.popleft()
-                running += 1
-                if len(to_run) == 1:  # a pack of one (an urgent job, a short batch): here
-                    generate(*job)
-                else:
-                    ctx.pack_pool.submit(generate, *job)
-            if not running:
-                break
-            try:  # at least one, then whatever else has ended meanwhile
-                done = [ended.get(timeout=PERMIT_POLL_S if waiting else None)]
-            except queue.Empty:
-                continue
-            while not ended.empty():
-                done.append(ended.get())
-            running -= len(done)
-            held -= len(done)
-            metrics.IN_FLIGHT.dec(len(done))
-            for payload, outcome in done:
-                if isinstance(outcome, BaseException):
-                    handed_back = handed_back or outcome
-                elif isinstance(outcome, dict):
-                    count(outcome)
-                else:
-                    results.append((payload, outcome))
-    finally:  # what is still running or waiting if the loop ended early
-        metrics.IN_FLIGHT.dec(held)
-    if handed_back is not None:
-        raise handed_back
-    return summary, ends
+            while True:
+                self.record()
+                # a permit is waited for only while none of this pack runs
+                while waiting and ctx.permits.acquire(blocking=not running):
+                    job = waiting.popleft()
+                    running += 1
+                    if len(self.to_run) == 1:  # a pack of one (urgent, a short batch): here
+                        self.generate(*job)
+                    else:
+                        ctx.pack_pool.submit(self.generate, *job)
+                if not running:
+                    break
+                done = self._ended(PERMIT_POLL_S if waiting else None)
+                running -= len(done)
+                held -= len(done)
+                metrics.IN_FLIGHT.dec(len(done))
+                for payload, outcome in done:
+                    if isinstance(outcome, BaseException):
+                        self.handed_back = self.handed_back or outcome
+                    elif isinstance(outcome, dict):
+                        self.count(outcome)
+                    else:
+                        self.results.append((payload, outcome))
+        finally:  # what is still running or waiting if the loop ended early
+            metrics.IN_FLIGHT.dec(held)
+
+    def _ended(self, timeout: float | None) -> list[tuple[dict[str, Any], Any]]:
+        """At least one that has ended (none if ``timeout`` passes first), then whatever
+        else has ended meanwhile."""
+        try:
+            done = [self.ended.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while not self.ended.empty():
+            done.append(self.ended.get())
+        return done
 
 
 def _handed_back(exc: Exception) -> Reject:
@@ -313,7 +342,8 @@ def _admitted(
         return _dead_letter(env, payload, attempts, who.worker)
     if (
         env.model is not None
-        and env.model not in getattr(state.engine, "model_names", (env.model,))
+        and state.engine is not None
+        and env.model not in state.engine.model_names
         and (home := _serving_queue(env)) is not None
     ):  # sent on before this delivery is acknowledged: at worst it arrives twice, and
         # the second finds the first's result (``start``'s done)
@@ -358,6 +388,8 @@ def _generated(
     from .runner import run_job
 
     try:
+        if state.engine is None:  # its start failed: the process is on its way out
+            raise EngineDead("this process has no engine")
         result = run_job(env, state.engine, settings, who.worker, ctx.templates, ctx.result_cache)
     except EngineDead:
         engine_died()
