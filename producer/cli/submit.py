@@ -123,7 +123,7 @@ def submit(
     this process dies, the same command with --batch ID resumes the feed where it stopped.
     """
     from ..client import new_batch_id
-    from ..feed import Feed, run_in_thread
+    from ..feed import Feed
     from ..inputs import expected_lines
 
     share = _options_checked(file, wait, out_path, errors_path, batch_id, canary, take)
@@ -166,41 +166,60 @@ def submit(
             ran_canary = _canary_first(feed, share, bar, file, quiet, timeout, as_json, options)
         elif share is not None:
             _say(f"batch {batch} exists: no canary runs for the rest of its input")
-        st: BatchStatus | None = None
 
-        def resend() -> None:
-            sent = feed.resend()
-            _say(f"batch {batch}: {sent} job(s) were lost on the way (a worker "
-                 "killed as it took them); sent again")  # fmt: skip
+        def follow(feeder: Any) -> BatchStatus:
+            return _follow(
+                client, batch, out_file, errors_out, quiet, timeout, take, feeder,
+                _resender(feed, batch) if source else None,
+            )  # fmt: skip
 
-        # the input is read once the feed ends: its bar ends then, not after the wait
-        feeder, started, outcome = run_in_thread(feed, force, on_end=bar.close)
-        try:
-            if wait:  # results are read while the rest of the input is fed
-                while not started.wait(0.5):
-                    pass
-                if feeder.is_alive() or (outcome.get("handle") and feed.good > 0):
-                    if not as_json:
-                        click.echo(batch)
-                        sys.stdout.flush()
-
-                    st = _follow(
-                        client, batch, out_file, errors_out, quiet, timeout, take, feeder,
-                        resend if source else None,
-                    )  # fmt: skip
-            while feeder.is_alive():
-                feeder.join(0.5)
-        except KeyboardInterrupt:
-            feeder.join(2.0)  # a feed about to end ends: only the wait was interrupted
-            if feeder.is_alive():
-                _say(f"the feed of batch {batch} stopped after {feed.good - skip} more jobs; "
-                     f"send the rest with: vqueue submit {file} --batch {batch}")  # fmt: skip
-                sys.exit(RET_INTERRUPTED)
-            _interrupted(batch)
+        outcome, st = _fed(feed, file, skip, force, bar, follow if wait else None, as_json)
         bar.close()
         _feed_failed(batch, outcome.get("error"))
         _submitted(client, feed, outcome["handle"], file, errors_path, created, ran_canary,
                    wait, as_json, st)  # fmt: skip
+
+
+def _resender(feed: Feed, batch: str) -> Callable[[], None]:
+    def resend() -> None:
+        sent = feed.resend()
+        _say(f"batch {batch}: {sent} job(s) were lost on the way (a worker "
+             "killed as it took them); sent again")  # fmt: skip
+
+    return resend
+
+
+def _fed(
+    feed: Feed, file: str, skip: int, force: bool, bar: Any,
+    follow: Callable[[Any], BatchStatus] | None, as_json: bool,
+) -> tuple[dict[str, Any], BatchStatus | None]:  # fmt: skip
+    """Feed the input in a thread of its own and, with ``--wait`` (``follow``), read results
+    while the rest is fed. Ctrl-C interrupts the wait, not a feed about to end; a feed cut
+    short says how to send the rest."""
+    from ..feed import run_in_thread
+
+    st: BatchStatus | None = None
+    # the input is read once the feed ends: its bar ends then, not after the wait
+    feeder, started, outcome = run_in_thread(feed, force, on_end=bar.close)
+    try:
+        if follow is not None:
+            while not started.wait(0.5):
+                pass
+            if feeder.is_alive() or (outcome.get("handle") and feed.good > 0):
+                if not as_json:
+                    click.echo(feed.batch)
+                    sys.stdout.flush()
+                st = follow(feeder)
+        while feeder.is_alive():
+            feeder.join(0.5)
+    except KeyboardInterrupt:
+        feeder.join(2.0)
+        if feeder.is_alive():
+            _say(f"the feed of batch {feed.batch} stopped after {feed.good - skip} more jobs; "
+                 f"send the rest with: vqueue submit {file} --batch {feed.batch}")  # fmt: skip
+            sys.exit(RET_INTERRUPTED)
+        _interrupted(feed.batch)
+    return outcome, st
 
 
 def _options_checked(
