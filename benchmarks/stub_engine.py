@@ -24,7 +24,11 @@ class StubEngine:
         self.settings = settings
         self.model_name = "stub"
         self.model_names = [self.model_name]
-        self.adapters: dict[str, Any] = {}  # no LoRA
+        self.model_path = self.model_name  # no weights: its name stands in for the cache's key
+        self.adapters: dict[str, tuple[str, int, str]] = {}  # no LoRA
+        self.tokenizer = None  # nothing tokenized for real: no schema compiled on it
+        self.tool_calls = None  # no tool-call parser
+        self.stats = None  # no engine numbers to report
         self.plan = None  # no vLLM engine, so none of vqueue's optimizations in one
         self.in_flight = self.max_in_flight = self.jobs_done = 0
         self.started_at = time.time()
@@ -72,6 +76,9 @@ class StubEngine:
 
     def abort_batch(self, batch: str, reason: str) -> int:
         return 0
+
+    def on_death(self, callback: Any) -> None:
+        pass  # it never dies
 
     def close(self) -> None:
         pass

@@ -52,7 +52,8 @@ class FakeEngine:
         # "fake" unless the test names it (VQUEUE_SERVED_MODEL_NAME), as a real worker's names
         self.model_names = settings.served_names() if settings.served_model_name else ["fake"]
         self.model_name = self.model_names[0]
-        self.adapters: dict[str, Any] = {}  # no LoRA
+        self.model_path = self.model_name  # no weights: its name stands in for the cache's key
+        self.adapters: dict[str, tuple[str, int, str]] = {}  # no LoRA
         self.plan = None  # no vLLM engine, so none of vqueue's optimizations in one
         self.delay = float(os.environ.get("VQUEUE_TEST_FAKE_DELAY_S", "0.2"))
         self.in_flight = self.max_in_flight = self.jobs_done = 0
@@ -110,6 +111,15 @@ class FakeEngine:
             with self._lock:
                 self.in_flight -= 1
                 self.jobs_done += 1
+
+    def active_batches(self) -> list[str]:
+        return []  # nothing to abort: a fake job is a sleep
+
+    def abort_batch(self, batch: str, reason: str) -> int:
+        return 0
+
+    def on_death(self, callback: Any) -> None:
+        pass  # it never dies; a test that kills the engine kills the worker
 
     def close(self) -> None:
         pass

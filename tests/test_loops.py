@@ -108,6 +108,7 @@ def test_a_cut_off_retry_after_a_loop_keeps_the_penalty() -> None:
         model_name = "stand-in"
         adapters: dict[str, Any] = {}
         plan = None
+        tokenizer = None  # no schema compiled for it
 
         def chat_prompt(self, messages: list[dict[str, str]], *_: Any, **__: Any) -> list[int]:
             return [1] * 20

@@ -131,6 +131,20 @@ def test_the_worker_imports_no_vllm_until_it_builds_its_engine() -> None:
     assert out.stdout.decode().strip().splitlines()[-1] == "[]", out.stderr.decode()[-2000:]
 
 
+@pytest.mark.unit
+def test_the_engine_stubs_offer_everything_the_worker_asks_of_an_engine() -> None:
+    # the fake engine (queue-mechanics tests) and the benchmarks' stub stand in for EngineHost,
+    # which the type check holds to the same protocol
+    from benchmarks.stub_engine import StubEngine
+    from schemas import Settings
+    from worker.engine import Engine
+
+    from .fake_engine import FakeEngine
+
+    for stub in (FakeEngine, StubEngine):
+        assert isinstance(stub(Settings()), Engine), stub
+
+
 def test_worker_check_prints_what_its_engine_would_run_with() -> None:
     # `vqueue worker --check` starts nothing: vLLM, torch, the device and the plan
     proc = run_cli("worker", "--check", "--json", timeout=300)

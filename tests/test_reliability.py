@@ -792,6 +792,7 @@ def test_the_job_timeout_covers_the_json_retry() -> None:
         model_name = "stand-in"
         adapters: dict[str, Any] = {}
         plan = None
+        tokenizer = None  # no schema compiled for it
 
         def chat_prompt(self, messages: list[dict[str, str]], *_: Any, **__: Any) -> list[int]:
             return [1] * 20

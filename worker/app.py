@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery, signals
 
@@ -31,6 +31,9 @@ from schemas import JOB_TYPES, Settings, get_settings
 
 from .context import Context
 from .kombu_patches import guard_closed_channels, reuse_broker_clients
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +202,7 @@ class Lane:
 class _WorkerState:
     """Process-wide: the engine and the heartbeat that advertises it."""
 
-    engine: Any = None
+    engine: Engine | None = None
     name: str = ""
     metrics_url: str | None = None
     lanes: list[Lane] = []  # noqa: RUF012  # the worker's (one process-wide instance)
@@ -273,10 +276,9 @@ def _build_engine(sender: Any = None, **_: Any) -> None:
         module, _sep, name = settings.engine_class.partition(":")
         engine_class = getattr(importlib.import_module(module), name)
         state.engine = _engine(engine_class, sender)
-        if getattr(state.engine, "plan", None) is not None and not settings.urgent_of:
+        if state.engine.plan is not None and not settings.urgent_of:
             metrics.report_plan(state.engine.plan)
-        if hasattr(state.engine, "on_death"):
-            state.engine.on_death(engine_died)
+        state.engine.on_death(engine_died)
         from .runner import warm_grammar_check
 
         warm_grammar_check(state.engine, settings)
@@ -433,9 +435,9 @@ def _withdrawals() -> None:
     API): one round trip a second, for the batches in the engine now."""
     store = _store()
     while not state.stop.wait(1.0):
-        active = getattr(state.engine, "active_batches", None)
-        batches = active() if active else []
-        if not batches:
+        engine = state.engine
+        batches = engine.active_batches() if engine is not None else []
+        if engine is None or not batches:
             continue
         try:
             reasons = store.withdrawn_many(batches)
@@ -444,7 +446,7 @@ def _withdrawals() -> None:
             continue
         for batch, why in zip(batches, reasons, strict=True):
             # cancelled: stop now; expired: only the jobs not started go, the running finish
-            if why == "cancelled" and (n := state.engine.abort_batch(batch, why)):
+            if why == "cancelled" and (n := engine.abort_batch(batch, why)):
                 log.info("batch %s %s: aborted %d running job(s)", batch, why, n)
 
 
@@ -477,12 +479,10 @@ def _heartbeat() -> None:
             "urgent_of": of or None,
             "lane": settings.lane or None,
         }
-        stats = getattr(e, "stats", None)
-        if stats is not None:
-            info.update(stats.snapshot())
-        plan = getattr(e, "plan", None)
-        if plan is not None:  # what `vqueue status` shows of the engine's optimizations
-            info["engine"] = plan.as_dict()
+        if e is not None and e.stats is not None:
+            info.update(e.stats.snapshot())
+        if e is not None and e.plan is not None:  # `vqueue status` shows its optimizations
+            info["engine"] = e.plan.as_dict()
         try:
             store.heartbeat(state.name, info, ttl_s=3 * settings.heartbeat_s)
             # a dead worker's jobs come back to its own queue after the visibility timeout

@@ -109,8 +109,7 @@ class Context:
             with self._lock:
                 if self._cache is None:
                     engine = self.state.engine
-                    # an engine stub (benchmarks, queue tests) has no weights: its name stands in
-                    base = weights_fingerprint(getattr(engine, "model_path", engine.model_name))
+                    base = weights_fingerprint(engine.model_path)
                     weights = {name: base for name in engine.model_names}
                     for name, (_, _, path) in engine.adapters.items():
                         weights[name] = f"{base}:{weights_fingerprint(path)}"

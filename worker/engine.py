@@ -16,8 +16,9 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from schemas import Settings
 from schemas.results import TokenLogprob, TopLogprob
@@ -47,7 +48,7 @@ from .vllm_ext.configure import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConfigError", "EngineDead", "EngineError", "EngineHost", "Generation"]
+__all__ = ["ConfigError", "Engine", "EngineDead", "EngineError", "EngineHost", "Generation"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,77 @@ class Generation:
     aborted: bool = False  # the confidence monitor stopped it (logprob early stop)
     confidence: Reading | None = None  # the monitor's numbers, when it watched this request
     logprobs: list[TokenLogprob] | None = None  # when the request asked for them
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the worker asks of its engine: ``EngineHost`` on vLLM, or a stub that isolates
+    queue mechanics (``VQUEUE_ENGINE_CLASS``: tests/fake_engine.py, benchmarks/stub_engine.py).
+    Written down so that a stub missing a member fails the type check, not a job."""
+
+    settings: Settings
+    in_flight: int
+    max_in_flight: int
+    jobs_done: int
+    started_at: float
+
+    @property
+    def model_name(self) -> str: ...  # the first served name: what results report
+
+    @property
+    def model_names(self) -> list[str]: ...  # every name a line may give
+
+    @property
+    def model_path(self) -> str: ...  # its weights, fingerprinted for the result cache
+
+    @property
+    def adapters(self) -> dict[str, tuple[str, int, str]]: ...  # LoRA: name to its request
+
+    @property
+    def plan(self) -> Plan | None: ...  # vqueue's optimizations in vLLM; None without one
+
+    @property
+    def stats(self) -> EngineStats | None: ...  # reported by the process that owns the core
+
+    @property
+    def tokenizer(self) -> Any: ...  # None where nothing is tokenized for real
+
+    @property
+    def tool_calls(self) -> ToolCallReader | None: ...
+
+    def chat_prompt(
+        self,
+        messages: list[dict[str, str]],
+        known: tuple[str, list[int]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]: ...
+
+    def completion_prompt(self, text: str) -> list[int]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: Any,
+        timeout_s: float | None = None,
+        prefix_key: str | None = None,
+        monitor: Monitor | None = None,
+        priority: int = 0,
+        batch: str | None = None,
+        salt: str | None = None,
+        lora: tuple[str, int, str] | None = None,
+    ) -> Generation: ...
+
+    def active_batches(self) -> list[str]: ...
+
+    def abort_batch(self, batch: str, reason: str) -> int: ...
+
+    def on_death(self, callback: Callable[[], None]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class EngineHost:
@@ -169,22 +241,7 @@ class EngineHost:
         limit = min(timeout_s or self.settings.job_timeout_s, self.settings.job_timeout_s)
         first_of_group = self._gate(prefix_key, limit)
         limit = max(limit - (time.monotonic() - started), 0.001)
-        slot = None
-        rule = None
-        if monitor is not None and self.board is not None:
-            slot = self.board.slot()
-            params = params.clone()
-            params.extra_args = {
-                **(params.extra_args or {}),
-                **request_args(self.board, slot, monitor, self.marker),
-            }
-            params.stop_token_ids = [*(params.stop_token_ids or []), self.marker]
-        elif monitor is not None and self.plan is not None and self.plan.monitor == "logprobs":
-            rule = LogprobRule(monitor)
-        # stop strings are matched in vLLM's detokenizer, and the rule reads streamed text
-        if self.decodes_outputs and rule is None and not params.stop:
-            params = params.clone() if slot is None else params
-            params.detokenize = False
+        params, slot, rule = self._watched(params, monitor)
         order = 9 - priority if self.settings.scheduling_policy == "priority" else 0
         sent_at = time.time()
         try:
@@ -193,33 +250,7 @@ class EngineHost:
             if first_of_group is not None:
                 first_of_group.set()  # never leave the group waiting
             raise
-        with self._lock:
-            self.in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
-            if batch is not None:
-                self._batches.setdefault(batch, set()).add(future)
-        try:
-            out = future.result(timeout=limit)
-        except concurrent.futures.TimeoutError:
-            future.cancel()  # the client aborts the request in the engine
-            raise JobTimeout(f"still generating after {limit:g}s; aborted") from None
-        except concurrent.futures.CancelledError:
-            with self._lock:
-                reason = self._withdrawn.pop(future, None)
-            if reason is None:
-                raise
-            raise JobWithdrawn(reason) from None
-        finally:
-            with self._lock:
-                self.in_flight -= 1
-                self.jobs_done += 1
-                if batch is not None:
-                    mine = self._batches.get(batch)
-                    if mine is not None:
-                        mine.discard(future)
-                        if not mine:
-                            del self._batches[batch]
-                self._withdrawn.pop(future, None)
+        out = self._waited(future, limit, batch)
         tokens, aborted, reading = out.completion_tokens, out.aborted, out.reading
         if slot is not None and self.board is not None:
             reading = self.board.read(slot, tokens)
@@ -246,6 +277,62 @@ class EngineHost:
             confidence=reading,
             logprobs=self._logprobs(out) if out.logprobs is not None else None,
         )
+
+    def _watched(
+        self, params: Any, monitor: Monitor | None
+    ) -> tuple[Any, int | None, LogprobRule | None]:
+        """``params`` as the request is sent, with where its confidence is read: a board slot
+        (the monitor in the engine) or a rule over streamed logprobs (the client's)."""
+        slot = None
+        rule = None
+        if monitor is not None and self.board is not None:
+            slot = self.board.slot()
+            params = params.clone()
+            params.extra_args = {
+                **(params.extra_args or {}),
+                **request_args(self.board, slot, monitor, self.marker),
+            }
+            params.stop_token_ids = [*(params.stop_token_ids or []), self.marker]
+        elif monitor is not None and self.plan is not None and self.plan.monitor == "logprobs":
+            rule = LogprobRule(monitor)
+        # stop strings are matched in vLLM's detokenizer, and the rule reads streamed text
+        if self.decodes_outputs and rule is None and not params.stop:
+            params = params.clone() if slot is None else params
+            params.detokenize = False
+        return params, slot, rule
+
+    def _waited(
+        self, future: concurrent.futures.Future[Output], limit: float, batch: str | None
+    ) -> Output:
+        """The request's output, counted in flight (and under its batch, for ``abort_batch``)
+        while it runs; past ``limit`` it is aborted in the engine."""
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            if batch is not None:
+                self._batches.setdefault(batch, set()).add(future)
+        try:
+            return future.result(timeout=limit)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # the client aborts the request in the engine
+            raise JobTimeout(f"still generating after {limit:g}s; aborted") from None
+        except concurrent.futures.CancelledError:
+            with self._lock:
+                reason = self._withdrawn.pop(future, None)
+            if reason is None:
+                raise
+            raise JobWithdrawn(reason) from None
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+                self.jobs_done += 1
+                if batch is not None:
+                    mine = self._batches.get(batch)
+                    if mine is not None:
+                        mine.discard(future)
+                        if not mine:
+                            del self._batches[batch]
+                self._withdrawn.pop(future, None)
 
     def _logprobs(self, out: Output) -> list[TokenLogprob]:
         """The output's per-token logprobs with each token's text, for the tokens its text
@@ -301,7 +388,7 @@ class EngineHost:
         event.wait(min(limit, self.settings.prefix_gate_timeout_s))
         return None
 
-    def on_death(self, callback: Any) -> None:
+    def on_death(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once if the engine dies, with or without a job running."""
         self.client.on_death(callback)
 
@@ -311,3 +398,7 @@ class EngineHost:
         finally:
             if self.board is not None:
                 self.board.close()
+
+
+if TYPE_CHECKING:  # the type check holds the real engine to the protocol
+    _real: type[Engine] = EngineHost

@@ -34,7 +34,7 @@ from .answers import _read_output, _schema_of, _tool_calls, _wants_json
 from .budget import MIN_ANSWER_TOKENS, clean_job, fit_input
 from .cache import ResultCache, determined
 from .confidence import Monitor
-from .engine import EngineHost, Generation
+from .engine import Engine, Generation
 from .errors import EngineError, JobFailed, JobTimeout, JobWithdrawn
 from .loops import (
     _as_loop,
@@ -66,7 +66,7 @@ REPEATED_FAILURES = {
 
 def run_job(
     env: Envelope,
-    engine: EngineHost,
+    engine: Engine,
     settings: Settings,
     worker: str,
     templates: Templates | None = None,
@@ -94,55 +94,21 @@ def run_job(
         model=env.model if env.model in engine.adapters else engine.model_name,
         prefix_key=env.prefix_key,
     )
-    refused = None
-    if isinstance(job, ChatJob) and job.unsupported is not None:
-        u = job.unsupported
-        refused = JobError(type="unsupported_parameter", message=u.message, param=u.param)
-    elif (
-        env.model is not None
-        and env.model not in engine.model_names
-        and settings.unserved_model != "default"  # else it runs on the served model
-    ):
-        names = ", ".join(f"`{n}`" for n in engine.model_names)
-        refused = JobError(type="model_not_found", param="model", message=(
-            f"The model `{env.model}` does not exist. This queue's workers serve {names} "
-            "(VQUEUE_SERVED_MODEL_NAME)."))  # fmt: skip
+    refused = _refused(env, engine, settings)
     if refused is not None:  # the request fails alone, before the engine sees it
         result.status, result.error = "failed", refused
         result.timings.finished_at = time.time()
         return result
     try:
         plan = plan_job(env, engine, settings, deadline, result, templates)
-        job, prompt, max_tokens = plan.job, plan.prompt, plan.max_tokens
+        job = plan.job
         key = ""  # the job's result-cache key, when it has one
         if cache is not None and env.cache and job.cache and determined(job):
-            key = cache.key(job, result.model or "", env.format, prompt, max_tokens)
-            entry = cache.get(env.tenant, key)
-            if entry is None and not cache.claim(env.tenant, key, _left(deadline)):
-                # an identical job is running: wait for its answer with half the time left, so
-                # that one whose worker was killed (its claim outlives it) costs a rerun, not
-                # this job
-                entry = cache.wait(env.tenant, key, deadline - _left(deadline) / 2)
-            hit = entry is not None and cache.fill(result, entry)
-            metrics.CACHE_LOOKUPS.labels(job.type, "hit" if hit else "miss").inc()
-            if hit:
+            key = cache.key(job, result.model or "", env.format, plan.prompt, plan.max_tokens)
+            if _answered_from_cache(cache, env.tenant, key, deadline, result, job.type):
                 result.timings.finished_at = time.time()
                 return result
-        keeper = cache if key else None  # the cache this job's answer goes to
-        try:
-            _run(plan, result)
-        except JobFailed as exc:
-            if keeper is not None and exc.type in REPEATED_FAILURES:  # its answer, failed
-                result.status = "failed"
-                result.error = JobError(type=exc.type, message=exc.message)  # type: ignore[arg-type]
-                keeper.put(env.tenant, key, result)
-            raise
-        else:
-            if keeper is not None and result.status == "completed":
-                keeper.put(env.tenant, key, result)
-        finally:
-            if keeper is not None:
-                keeper.release(env.tenant, key)
+        _run_kept(plan, result, cache if key else None, env.tenant, key)
     except JobFailed as exc:
         result.status = "failed"
         result.error = JobError(type=exc.type, message=exc.message)
@@ -168,7 +134,7 @@ class JobPlan:
     prefix key once the first run has placed the prefix."""
 
     job: Any
-    engine: EngineHost
+    engine: Engine
     settings: Settings
     prompt: list[int]
     max_tokens: int
@@ -189,7 +155,7 @@ class JobPlan:
 
 def plan_job(
     env: Envelope,
-    engine: EngineHost,
+    engine: Engine,
     settings: Settings,
     deadline: float,
     result: JobResult,
@@ -243,6 +209,62 @@ def plan_job(
     )  # fmt: skip
 
 
+def _refused(env: Envelope, engine: Engine, settings: Settings) -> JobError | None:
+    """Why the request cannot run here at all (a parameter this engine does not take, a model
+    it does not serve), or None."""
+    job = env.job
+    if isinstance(job, ChatJob) and job.unsupported is not None:
+        u = job.unsupported
+        return JobError(type="unsupported_parameter", message=u.message, param=u.param)
+    if (
+        env.model is not None
+        and env.model not in engine.model_names
+        and settings.unserved_model != "default"  # else it runs on the served model
+    ):
+        names = ", ".join(f"`{n}`" for n in engine.model_names)
+        return JobError(type="model_not_found", param="model", message=(
+            f"The model `{env.model}` does not exist. This queue's workers serve {names} "
+            "(VQUEUE_SERVED_MODEL_NAME)."))  # fmt: skip
+    return None
+
+
+def _answered_from_cache(
+    cache: ResultCache, tenant: str | None, key: str, deadline: float, result: JobResult,
+    job_type: str,
+) -> bool:  # fmt: skip
+    """Fill ``result`` from the cache if an identical job's answer is there; else claim the
+    key for this job (or wait for the identical job that holds it)."""
+    entry = cache.get(tenant, key)
+    if entry is None and not cache.claim(tenant, key, _left(deadline)):
+        # an identical job is running: wait for its answer with half the time left, so that
+        # one whose worker was killed (its claim outlives it) costs a rerun, not this job
+        entry = cache.wait(tenant, key, deadline - _left(deadline) / 2)
+    hit = entry is not None and cache.fill(result, entry)
+    metrics.CACHE_LOOKUPS.labels(job_type, "hit" if hit else "miss").inc()
+    return hit
+
+
+def _run_kept(
+    plan: JobPlan, result: JobResult, keeper: ResultCache | None, tenant: str | None, key: str
+) -> None:
+    """Run the plan; a completed answer, or a failure that is the answer itself, goes to
+    ``keeper`` (the result cache that holds the job's claim), whose claim is let go."""
+    try:
+        _run(plan, result)
+    except JobFailed as exc:
+        if keeper is not None and exc.type in REPEATED_FAILURES:  # its answer, failed
+            result.status = "failed"
+            result.error = JobError(type=exc.type, message=exc.message)  # type: ignore[arg-type]
+            keeper.put(tenant, key, result)
+        raise
+    else:
+        if keeper is not None and result.status == "completed":
+            keeper.put(tenant, key, result)
+    finally:
+        if keeper is not None:
+            keeper.release(tenant, key)
+
+
 def _run(plan: JobPlan, result: JobResult) -> None:
     """Generate and check the job's answer into ``result`` (a failure raises)."""
     job = plan.job
@@ -275,7 +297,7 @@ def _timed_out(env: Envelope, settings: Settings, result: JobResult, exc: JobTim
     )
 
 
-def _template_tools(job: Any, engine: EngineHost) -> list[dict[str, Any]] | None:
+def _template_tools(job: Any, engine: Engine) -> list[dict[str, Any]] | None:
     """A chat job's tools as its chat template takes them. A tool, or an earlier turn's tool
     call, that spells one of the model's special tokens fails the job: the template writes
     both into its own text (``prompts.special_token_in``: why)."""
@@ -510,23 +532,22 @@ def _left(deadline: float) -> float:
 _grammar: GrammarCheck | None = None
 
 
-def _grammar_checked(engine: Any, settings: Settings) -> bool:
-    """The worker's own compilation is llguidance's, which is what the guidance backend runs."""
-    return settings.structured_outputs_backend == "guidance" and hasattr(engine, "tokenizer")
+def _grammar_checked(engine: Engine, settings: Settings) -> bool:
+    """The worker's own compilation is llguidance's, which is what the guidance backend runs,
+    on the engine's tokenizer (an engine stub has none to compile against)."""
+    return settings.structured_outputs_backend == "guidance" and engine.tokenizer is not None
 
 
-def warm_grammar_check(engine: Any, settings: Settings) -> None:
+def warm_grammar_check(engine: Engine, settings: Settings) -> None:
     """At worker start: the schema check's tokenizer, built before the first JSON job needs it
     (``GrammarCheck.warm``)."""
     if _grammar_checked(engine, settings):
         _grammar_check(engine, settings).warm()
 
 
-def _grammar_check(engine: Any, settings: Settings) -> GrammarCheck:
+def _grammar_check(engine: Engine, settings: Settings) -> GrammarCheck:
     """One per worker process, on the engine's tokenizer (built as the process starts)."""
     global _grammar
     if _grammar is None:
-        _grammar = GrammarCheck(
-            getattr(engine, "tokenizer", None), settings.schema_compile_timeout_s
-        )
+        _grammar = GrammarCheck(engine.tokenizer, settings.schema_compile_timeout_s)
     return _grammar
