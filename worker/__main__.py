@@ -17,7 +17,7 @@ import click
 from pydantic import ValidationError
 
 from protocol.exits import RET_CONFIG, RET_USAGE
-from schemas import get_settings
+from schemas import Settings, get_settings
 from schemas.settings import describe_settings_error
 
 from .vllm_ext.configure import device_bulk_processes, device_max_num_seqs
@@ -83,44 +83,13 @@ def main(
             f"this worker cannot run: {missing} is not installed; install the worker's extra: "
             "pip install 'vqueue[gpu]' (CUDA) or 'vqueue[cpu]' (README)", RET_CONFIG,
         )  # fmt: skip
-    env = dict(os.environ)
-    env["VQUEUE_BROKER_URL"], env["VQUEUE_QUEUE"] = s.broker_url, s.queue
+    env = _environment(s, gpus, model, concurrency, metrics_port)
     gpus = gpus or s.gpus
-    if gpus is not None:
-        ids = [g.strip() for g in gpus.split(",") if g.strip()]
-        if not ids or not all(g.isdigit() for g in ids):
-            _fail(f"--gpus takes GPU ids like 0 or 0,1, not {gpus!r}", RET_USAGE)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
-        env.setdefault("VQUEUE_TENSOR_PARALLEL_SIZE", str(len(ids)))
-    if metrics_port is not None:
-        env["VQUEUE_METRICS_PORT"] = str(metrics_port)
-    elif gpus is not None and "VQUEUE_METRICS_PORT" not in os.environ and s.metrics_port:
-        # one worker per GPU on a host: each needs its own port
-        env["VQUEUE_METRICS_PORT"] = str(s.metrics_port + int(ids[0]))
-    if model:
-        env["VQUEUE_MODEL"] = model
-    if concurrency:
-        env["VQUEUE_CONCURRENCY"] = str(concurrency)
-    # vLLM starts its engine core as a child process; fork in a threaded process can deadlock.
-    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if check:
         env.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the report's
         argv = [sys.executable, "-m", "worker", "--check-here"]
         os.execvpe(sys.executable, argv + (["--json"] if as_json else []), env)
-    ws = s.model_copy(update={"concurrency": concurrency} if concurrency else {})
-    if s.max_num_seqs is None and not ws.concurrency:
-        # the pool is 2 x max_num_seqs: resolve the device's default now, for both
-        if "CUDA_VISIBLE_DEVICES" in env:  # the device this worker will run on
-            os.environ["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
-        env["VQUEUE_MAX_NUM_SEQS"] = str(device_max_num_seqs())
-        ws = ws.model_copy(update={"max_num_seqs": int(env["VQUEUE_MAX_NUM_SEQS"])})
-    if s.bulk_processes is None:  # the device's default, resolved once for every lane
-        env["VQUEUE_BULK_PROCESSES"] = str(device_bulk_processes())
-        ws = ws.model_copy(update={"bulk_processes": int(env["VQUEUE_BULK_PROCESSES"])})
-    if ws.urgent_concurrency or (ws.bulk_processes or 1) > 1:  # lanes' metrics are served here
-        import tempfile
-
-        env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vqueue-metrics-")
+    ws = _resolved(s, env, concurrency)
     from celery.utils.nodenames import host_format
 
     name = host_format(
@@ -151,6 +120,56 @@ def main(
         *celery_args,
     ]
     os.execvpe(argv[0], argv, env)
+
+
+def _environment(
+    s: Settings, gpus: str | None, model: str | None, concurrency: int | None,
+    metrics_port: int | None,
+) -> dict[str, str]:  # fmt: skip
+    """The environment the worker's processes run in: the command's options over settings,
+    as the ``VQUEUE_*`` variables every process (and vLLM's) reads."""
+    env = dict(os.environ)
+    env["VQUEUE_BROKER_URL"], env["VQUEUE_QUEUE"] = s.broker_url, s.queue
+    gpus = gpus or s.gpus
+    if gpus is not None:
+        ids = [g.strip() for g in gpus.split(",") if g.strip()]
+        if not ids or not all(g.isdigit() for g in ids):
+            _fail(f"--gpus takes GPU ids like 0 or 0,1, not {gpus!r}", RET_USAGE)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+        env.setdefault("VQUEUE_TENSOR_PARALLEL_SIZE", str(len(ids)))
+    if metrics_port is not None:
+        env["VQUEUE_METRICS_PORT"] = str(metrics_port)
+    elif gpus is not None and "VQUEUE_METRICS_PORT" not in os.environ and s.metrics_port:
+        # one worker per GPU on a host: each needs its own port
+        env["VQUEUE_METRICS_PORT"] = str(s.metrics_port + int(ids[0]))
+    if model:
+        env["VQUEUE_MODEL"] = model
+    if concurrency:
+        env["VQUEUE_CONCURRENCY"] = str(concurrency)
+    # vLLM starts its engine core as a child process; fork in a threaded process can deadlock.
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    return env
+
+
+def _resolved(s: Settings, env: dict[str, str], concurrency: int | None) -> Settings:
+    """The worker's settings with the device's defaults resolved once, here, and handed to
+    every process in ``env``: the pool's size follows ``max_num_seqs``, and each lane must
+    read the same bulk process count."""
+    ws = s.model_copy(update={"concurrency": concurrency} if concurrency else {})
+    if s.max_num_seqs is None and not ws.concurrency:
+        # the pool is 2 x max_num_seqs: resolve the device's default now, for both
+        if "CUDA_VISIBLE_DEVICES" in env:  # the device this worker will run on
+            os.environ["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
+        env["VQUEUE_MAX_NUM_SEQS"] = str(device_max_num_seqs())
+        ws = ws.model_copy(update={"max_num_seqs": int(env["VQUEUE_MAX_NUM_SEQS"])})
+    if s.bulk_processes is None:  # the device's default, resolved once for every lane
+        env["VQUEUE_BULK_PROCESSES"] = str(device_bulk_processes())
+        ws = ws.model_copy(update={"bulk_processes": int(env["VQUEUE_BULK_PROCESSES"])})
+    if ws.urgent_concurrency or (ws.bulk_processes or 1) > 1:  # lanes' metrics are served here
+        import tempfile
+
+        env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vqueue-metrics-")
+    return ws
 
 
 def _missing_engine() -> str | None:
