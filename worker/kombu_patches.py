@@ -77,16 +77,23 @@ def guard_closed_channels() -> None:
             )
             return None
 
-    stock_append = kombu_redis.QoS.append
+    _connparams.__vqueue__ = True  # type: ignore[attr-defined]
+    channel._connparams = _connparams  # type: ignore[method-assign]
+    kombu_redis.QoS.restore_unacked = restore_unacked  # type: ignore[method-assign]
+    _wait_out_full_redis(kombu_redis.QoS, closed, kombu_redis.redis.exceptions.TimeoutError)
+
+
+def _wait_out_full_redis(qos: Any, closed: type[Exception], timed_out: type[Exception]) -> None:
+    """kombu's unacknowledged record, acknowledgement and rejection wait for room while Redis
+    is full (``while_full``); a job popped whose record Redis never took goes to ``limbo``."""
+    stock_append, stock_ack, stock_reject = qos.append, qos.ack, qos.reject
 
     def append(self: Any, message: Any, delivery_tag: Any) -> Any:
         try:
             return while_full("consume", lambda: stock_append(self, message, delivery_tag))
-        except (closed, kombu_redis.redis.exceptions.TimeoutError):
+        except (closed, timed_out):
             limbo.keep(self.channel, message)
             raise
-
-    stock_ack, stock_reject = kombu_redis.QoS.ack, kombu_redis.QoS.reject
 
     def ack(self: Any, delivery_tag: Any) -> Any:
         return while_full("ack", lambda: stock_ack(self, delivery_tag))
@@ -94,12 +101,7 @@ def guard_closed_channels() -> None:
     def reject(self: Any, delivery_tag: Any, requeue: bool = False) -> Any:
         return while_full("ack", lambda: stock_reject(self, delivery_tag, requeue=requeue))
 
-    _connparams.__vqueue__ = True  # type: ignore[attr-defined]
-    channel._connparams = _connparams  # type: ignore[method-assign]
-    kombu_redis.QoS.restore_unacked = restore_unacked  # type: ignore[method-assign]
-    kombu_redis.QoS.append = append  # type: ignore[method-assign]
-    kombu_redis.QoS.ack = ack  # type: ignore[method-assign]
-    kombu_redis.QoS.reject = reject  # type: ignore[method-assign]
+    qos.append, qos.ack, qos.reject = append, ack, reject
 
 
 def reuse_broker_clients() -> None:

@@ -521,20 +521,10 @@ def _triton_step() -> Any:
     import triton.language as tl
 
     @triton.jit  # type: ignore[misc]
-    def step(
-        x_ptr,
-        x_stride,
-        vocab,
-        rows_ptr,
-        lens_ptr,
-        pre_ptr,
-        state_ptr,
-        cfg_ptr,
-        boards_ptr,  # type: ignore[no-untyped-def]
-        HAS_LENS: tl.constexpr,
-        BOARDS: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
+    def step(  # type: ignore[no-untyped-def]
+        x_ptr, x_stride, vocab, rows_ptr, lens_ptr, pre_ptr, state_ptr, cfg_ptr, boards_ptr,
+        HAS_LENS: tl.constexpr, BOARDS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
         row = tl.program_id(0)
         slot = tl.load(rows_ptr + row).to(tl.int64)
         cfg = cfg_ptr + tl.maximum(slot, 0) * 9
