@@ -19,7 +19,6 @@ from redis.lock import Lock
 
 from schemas import (
     BatchStatus,
-    Envelope,
     JobResult,
     output_line,
 )
@@ -267,17 +266,16 @@ class Batches:
             self._update(tenant, bid, status="cancelled", cancelled_at=int(time.time()),
                          request_counts=RequestCounts(total=total))  # fmt: skip
             return
-        if self._canary(client, b, fh, gone, total):
+        if self._canary(client, b, fh, gone):
             self._send(client, b, fh, gone, 0)
 
-    def _canary(
-        self, client: Any, b: BatchObject, fh: Any, gone: threading.Event, lines: int = 0
-    ) -> bool:
+    def _canary(self, client: Any, b: BatchObject, fh: Any, gone: threading.Event) -> bool:
         """Run the batch's canary, if its metadata asks for one and it has not run: whether
-        the rest may be sent. One that fails pauses the batch (``BatchStore.canary_ended``)
-        until ``vqueue resume`` or a cancel; a feed resumed after its process died runs the
-        canary it did not finish, its jobs sent already skipped."""
-        from ..canary import pick, run
+        the rest may be sent. Its lines are picked as ``vqueue submit --canary`` picks them
+        (``Feed.canary``). One that fails pauses the batch (``BatchStore.canary_ended``) until
+        ``vqueue resume`` or a cancel; a feed resumed after its process died runs the canary
+        it did not finish, its jobs sent already skipped."""
+        from ..canary import run
 
         share = canary_share(b.metadata)
         st = self.store.batches.status(b.id)
@@ -285,9 +283,7 @@ class Batches:
             return True
         if st.canary is not None:  # judged before: a passed canary, or a resumed batch
             return not st.paused
-        lines = lines or sum(1 for _ in self._lines(fh))
-        picked = pick(self._lines(fh), share, self.settings.canary_min_jobs, lines, b.id)
-        jobs = [self._envelope(client, b, p) for p in picked]
+        jobs = self._feed(client, b, fh, gone).canary(share)
 
         def tick(_st: BatchStatus) -> None:
             if gone.is_set():
@@ -299,12 +295,13 @@ class Batches:
             log.warning("batch %s paused: its canary failed: %s", b.id, "; ".join(report.reasons))
         return report.passed
 
-    @staticmethod
-    def _envelope(client: Any, b: BatchObject, p: Any) -> Envelope:
-        """The line's envelope, known by its line: the batch's only input is its file."""
-        env: Envelope = client.envelope(p.job, b.id, fmt=p.format, model=p.model,
-                                        cache=uses_cache(b), line=p.line)  # fmt: skip
-        return env
+    def _feed(
+        self, client: Any, b: BatchObject, fh: Any, gone: threading.Event, skip: int = 0
+    ) -> Feed:
+        """The batch's feed: its only input is its file, so its jobs are known by their line."""
+        fh.seek(0)
+        return Feed(client, b.id, fh, str(self.store.path(b.input_file_id)),
+                    cache=uses_cache(b), skip=skip, stop=gone)  # fmt: skip
 
     def _send(self, client: Any, b: BatchObject, fh: Any, gone: threading.Event, skip: int) -> None:
         """Submit the input's jobs after the first ``skip``, recording the position as it goes
@@ -312,9 +309,7 @@ class Batches:
         from ..errors import SubmissionStopped
 
         bid = b.id
-        feed = Feed(client, bid, fh, str(self.store.path(b.input_file_id)),
-                    cache=uses_cache(b), skip=skip, stop=gone)  # fmt: skip
-        fh.seek(0)
+        feed = self._feed(client, b, fh, gone, skip)
         try:
             feed.send()
         except SubmissionStopped as exc:  # Redis full or gone: what was sent still runs, and
