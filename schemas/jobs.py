@@ -133,6 +133,15 @@ class _JobBase(BaseModel):
     # both to fix output length)
     min_tokens: int = Field(default=0, ge=0, le=MAX_OUTPUT_TOKENS)
     ignore_eos: bool = False
+    # more of vLLM's own sampling fields, as its server takes them in a request's body: the k
+    # likeliest tokens only (0: all), a floor relative to the likeliest, a penalty on tokens
+    # already in prompt or answer (1: none), token ids that end the answer
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(
+        default_factory=list, max_length=64
+    )
     # OpenAI's (and vLLM's) penalties and logit bias: token id -> bias, ids of the model that
     # answers, at most 300 as OpenAI allows
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)

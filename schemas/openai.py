@@ -8,6 +8,7 @@ and an ``error``.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, ClassVar, Literal
 
@@ -62,7 +63,19 @@ class ResponseFormat(BaseModel):
     json_schema: dict[str, Any] | None = None
 
 
-class ChatCompletionBody(BaseModel):
+class _VllmFields(BaseModel):
+    """vLLM's own sampling fields, which its server (and ``vllm run-batch``) takes in a
+    request's body beside OpenAI's: a file written for vLLM runs here unchanged."""
+
+    min_tokens: int | None = Field(default=None, ge=0, le=MAX_OUTPUT_TOKENS)
+    ignore_eos: bool | None = None
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+
+
+class ChatCompletionBody(_VllmFields):
     """A ``/v1/chat/completions`` body as OpenAI's batch files carry it. Fields vqueue honours
     are typed; fields that change nothing for a batch (``user``, ``store``, ...) are taken and
     ignored, as OpenAI's own batch does; what vqueue does not do (``unsupported``) fails that
@@ -97,6 +110,25 @@ class ChatCompletionBody(BaseModel):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    # vLLM's guided decoding in the body: ``structured_outputs`` (``{"json": schema}``, or
+    # ``{"json_object": true}``) and the older ``guided_json``, each the same as a
+    # response_format; other kinds (regex, grammar, choice) fail the request alone
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+
+    def guided_schema(self) -> dict[str, Any] | None:
+        """The JSON Schema that ``guided_json`` or ``structured_outputs`` asks for."""
+        schema = self.guided_json
+        if self.structured_outputs is not None:
+            schema = self.structured_outputs.get("json", schema)
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                raise ValueError("guided_json must be a JSON Schema (an object)") from None
+        if schema is not None and not isinstance(schema, dict):
+            raise ValueError("guided_json must be a JSON Schema (an object)")
+        return schema
 
     def unsupported(self) -> Unsupported | None:
         """The first field of this body vqueue cannot honour, and why; None when it can."""
@@ -113,6 +145,11 @@ class ChatCompletionBody(BaseModel):
             ("audio", self.audio is not None, "answers text only"),
             ("prediction", self.prediction is not None, "takes no predicted output"),
             ("web_search_options", self.web_search_options is not None, "does not search"),
+            (
+                "structured_outputs",
+                bool(set(self.structured_outputs or {}) - {"json", "json_object"}),
+                "guides decoding by a JSON Schema or JSON object only",
+            ),
         ]
         return _first_refused(asks, self.model_extra)
 
@@ -123,7 +160,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 COMPLETIONS_MAX_LOGPROBS = 5  # OpenAI's bound on a completion's logprobs
 
 
-class CompletionBody(BaseModel):
+class CompletionBody(_VllmFields):
     """A ``/v1/completions`` body: a bare prompt, no chat template. Typed and ignored fields as
     ``ChatCompletionBody``; one prompt per request (a string, or a list holding one)."""
 
@@ -174,7 +211,8 @@ def _sampling(body: BaseModel) -> dict[str, Any]:
     """The sampling fields a body set, as a chat job's: what it left out keeps the job's
     defaults; ``stop`` as a list."""
     out: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "n"):
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "n",
+                 *_VllmFields.model_fields):  # fmt: skip
         if getattr(body, name, None) is not None:
             out[name] = getattr(body, name)
     if getattr(body, "logit_bias", None):
@@ -338,6 +376,9 @@ class BatchRequestInput(_RequestLine):
             if not isinstance(spec.get("schema"), dict):
                 raise ValueError("response_format.json_schema.schema must be a JSON Schema object")
             schema = spec["schema"]
+        schema = b.guided_schema() or schema
+        json_object = bool(b.response_format and b.response_format.type == "json_object")
+        json_object = json_object or bool((b.structured_outputs or {}).get("json_object"))
         fields: dict[str, Any] = dict(
             id=self.custom_id,
             type="chat",
@@ -345,7 +386,7 @@ class BatchRequestInput(_RequestLine):
             messages=b.messages,
             max_tokens=b.max_completion_tokens or b.max_tokens,
             json_schema=schema,
-            json_object=bool(b.response_format and b.response_format.type == "json_object"),
+            json_object=json_object and schema is None,
             metadata=b.metadata or {},
             **_sampling(b),
         )

@@ -246,6 +246,27 @@ def test_forced_tool_calls_are_a_schema_in_and_tool_calls_out() -> None:
     assert choice.message.tool_calls[0].function.name == "weather"  # type: ignore[index]
 
 
+def test_a_line_written_for_vllm_run_batch_runs_unchanged() -> None:
+    # Given a chat line with vLLM's own request fields, as `vllm run-batch` takes them
+    p = parse_line(1, _guide_line("v", min_tokens=8, ignore_eos=True, top_k=20, min_p=0.05,
+                                  repetition_penalty=1.1, stop_token_ids=[7]))  # fmt: skip
+    # Then it is a job with each of them, nothing refused
+    job = p.job
+    assert p.error is None and job.unsupported is None, p.error
+    assert (job.min_tokens, job.ignore_eos, job.top_k, job.min_p) == (8, True, 20, 0.05)
+    assert (job.repetition_penalty, job.stop_token_ids) == (1.1, [7])
+    # and vLLM's guided decoding fields are a JSON Schema or a JSON object, as response_format
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    assert parse_line(1, _guide_line("g", guided_json=schema)).job.json_schema == schema
+    so = parse_line(1, _guide_line("s", structured_outputs={"json": json.dumps(schema)})).job
+    assert so.json_schema == schema
+    assert parse_line(1, _guide_line("o", structured_outputs={"json_object": True})).job.json_object
+    # while a kind vqueue does not guide by fails that line alone, naming the field
+    regex = parse_line(1, _guide_line("r", structured_outputs={"regex": "a+"})).job
+    assert regex.unsupported is not None and regex.unsupported.param == "structured_outputs"
+    assert parse_line(1, _guide_line("b", top_k=-2)).error is not None  # out of vLLM's range
+
+
 def test_openai_output_lines_follow_the_batch_output_format() -> None:
     ok = JobResult(
         id="r1",

@@ -89,6 +89,11 @@ def sampling_params(
         stop=job.stop or None,
         min_tokens=min(job.min_tokens, max_tokens),
         ignore_eos=job.ignore_eos,
+        # 0 and -1 both mean every token; vLLM releases differ on which they take
+        **({"top_k": job.top_k} if job.top_k > 0 else {}),
+        min_p=job.min_p,
+        repetition_penalty=job.repetition_penalty,
+        stop_token_ids=job.stop_token_ids or None,
         structured_outputs=structured,
         **({"repetition_detection": loops} if loops is not None else {}),
         # a retry after a loop penalizes repeats at least as much as the job asked
