@@ -17,10 +17,9 @@ from .openai import (
     BatchRequestInput,
     CompletionRequestInput,
     ResponsesRequestInput,
-    output_line,
-    rejected_line,
     request_line,
 )
+from .openai_output import output_line, rejected_line
 from .results import (
     ERROR_TYPES,
     Attempt,
