@@ -364,3 +364,43 @@ def test_a_missing_extra_is_one_line_and_its_exit_code(
     assert proc.returncode == code, stderr
     assert stderr.count("\n") == 1 and stderr.startswith("vqueue: ") and says in stderr, stderr
     assert "pip install 'vqueue[" in stderr and "Traceback" not in stderr
+
+
+def test_the_progress_bar_on_a_terminal_knows_its_total_as_the_feed_grows(
+    cli: Cli, tmp_path: Path
+) -> None:
+    # Given an input five times the batch's feed window, submitted with --wait on a terminal
+    import fcntl
+    import os
+    import pty
+    import struct
+    import sys
+    import termios
+
+    from .conftest import WORKDIR, worker_env
+
+    src = _jobs(tmp_path / "j.jsonl", 80)
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = worker_env(Q, VQUEUE_BROKER_URL=cli.url, VQUEUE_FEED_WINDOW="16")
+    proc = subprocess.Popen([sys.executable, "-m", "producer.cli", "submit", str(src), "--wait"],
+                            cwd=WORKDIR, env=env, stdin=follower, stdout=follower,
+                            stderr=follower)  # fmt: skip
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed: the command ended
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert proc.wait(timeout=300) == 0, seen[-2000:]
+    os.close(leader)
+    # Then its bars are drawn, each count beside a known total, the last one the whole input's
+    text = seen.decode(errors="replace")
+    counts = [x.split("|")[0].split()[-1] for x in text.replace("\r", "\n").split("\n")
+              if x.startswith("done: ")]  # fmt: skip
+    assert counts and all("None" not in c for c in counts), counts
+    assert counts[-1] == "80/80", counts[-5:]

@@ -186,6 +186,10 @@ def _follow(
             if res.status == "failed":
                 failed += 1
                 bar.set_postfix_str(f"failed {failed}", refresh=False)
+            if not bar.disable and bar.total is not None and bar.n >= bar.total:
+                # the feed has sent more since the total was read: past it, tqdm would show
+                # the total as unknown ("None")
+                bar.total = max(handle.status().total, bar.n + 1)
             bar.update(1)
             unsaved += 1
             if unsaved >= 1000 or time.monotonic() - saved_at > 1.0:
