@@ -18,39 +18,67 @@ from .scripts import StoreBase
 
 TEMPLATE_CHECK_S = 5.0  # for a template's examples against its schema, at registration
 _STORED = {"stored": True}  # validation context: checked when it was added
+# a child's start (an interpreter, pydantic, jsonschema) is not the check: the time bound runs
+# from its "ready", which a loaded host may take many seconds to reach
+START_S = 120.0
 _CHECK_EXAMPLES = """
 import json, resource, sys
 limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 from schemas.templates import Template, examples_problem
-print(json.dumps(examples_problem(Template.model_validate_json(sys.stdin.read(),
+print("ready", flush=True)
+print(json.dumps(examples_problem(Template.model_validate_json(sys.stdin.readline(),
                                                                context={"stored": True}))))
 """
 
 
 def _examples_problem_bounded(template: Template, timeout_s: float) -> str | None:
+    """What is wrong with the template's examples, checked in a child bounded in memory and
+    given ``timeout_s`` once it is ready to check."""
     from schemas import get_settings
 
     memory = get_settings().schema_check_memory_mb << 20
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHECK_EXAMPLES, str(memory)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _CHECK_EXAMPLES, str(memory)],
-            input=template.model_dump_json(),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-    except subprocess.TimeoutExpired:
-        return (
-            f"checking the examples against json_schema took over {timeout_s:g}s (a pattern "
-            "that backtracks, like ^(a+)+$?); simplify the schema's patterns"
-        )
+        assert proc.stdin is not None and proc.stdout is not None
+        ready = _line_within(proc, START_S)
+        if ready != "ready":
+            _, err = proc.communicate(timeout=START_S)
+            raise RuntimeError(f"the template check failed: {err.strip()[-500:]}")
+        proc.stdin.write(template.model_dump_json() + "\n")
+        proc.stdin.flush()
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return (
+                f"checking the examples against json_schema took over {timeout_s:g}s (a "
+                "pattern that backtracks, like ^(a+)+$?); simplify the schema's patterns"
+            )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     if proc.returncode != 0:
-        if "MemoryError" in proc.stderr:
+        if "MemoryError" in err:
             return f"checking the examples against json_schema needed more than {memory >> 20} MiB"
-        raise RuntimeError(f"the template check failed: {proc.stderr.strip()[-500:]}")
-    problem: str | None = json.loads(proc.stdout)
+        raise RuntimeError(f"the template check failed: {err.strip()[-500:]}")
+    problem: str | None = json.loads(out)
     return problem
+
+
+def _line_within(proc: subprocess.Popen[str], timeout_s: float) -> str | None:
+    """The child's first line of output, or None if it gives none within ``timeout_s``."""
+    import selectors
+
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout_s):
+            return None
+    return proc.stdout.readline().strip()
 
 
 class Templates(StoreBase):
