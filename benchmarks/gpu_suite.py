@@ -142,7 +142,9 @@ def launch_worker(
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     default = Settings.model_fields["urgent_concurrency"].default
-    urgent = int(env.get("VQUEUE_URGENT_CONCURRENCY", default)) > 0
+    # an engine stub takes every job in the one process (worker/app.py `_engine`): no urgent one
+    stub = not env.get("VQUEUE_ENGINE_CLASS", "worker.engine:").startswith("worker.engine:")
+    urgent = int(env.get("VQUEUE_URGENT_CONCURRENCY", default)) > 0 and not stub
 
     def up() -> bool:  # the worker, and its urgent process where it has one
         workers = store.workers(lanes=True)
