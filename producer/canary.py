@@ -205,7 +205,7 @@ def _asked_long(env: Envelope, cap: int, share: float) -> bool:
     """The job asked for its length (``ignore_eos``, or ``min_tokens`` near ``max_tokens``):
     answers that run to ``max_tokens`` then are what it wanted."""
     job = env.job
-    return bool(getattr(job, "ignore_eos", False)) or (job.min_tokens or 0) >= share * cap
+    return bool(getattr(job, "ignore_eos", False)) or getattr(job, "min_tokens", 0) >= share * cap
 
 
 def judge(jobs: Sequence[Envelope], results: Iterable[JobResult], s: Settings) -> CanaryReport:
@@ -219,6 +219,8 @@ def judge(jobs: Sequence[Envelope], results: Iterable[JobResult], s: Settings) -
             continue
         n += 1
         failed += res.status == "failed"
+        if env.job.type == "embed":  # a vector has no length, language or confidence to judge
+            continue
         runaway += res.error is not None and res.error.type in RUNAWAY
         low += res.low_confidence
         cap = env.job.max_tokens or s.default_max_tokens(env.job.type)

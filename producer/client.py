@@ -324,16 +324,23 @@ class Client:
 
     def _route(self, envelopes: list[Envelope]) -> list[tuple[str, list[Envelope]]]:
         """Urgent jobs to the urgent queue, which no worker's full share of bulk jobs blocks;
-        the rest to the worker their prefix routes them to, or to the shared queue."""
+        the rest to the worker their prefix routes them to, or to the shared queue. Embedding
+        jobs go to pooling workers, urgent or not (``protocol.routing``)."""
         from protocol.routing import urgent_queue
 
         s = self.settings
         out = []
-        urgent = [e for e in envelopes if e.job.priority >= s.urgent_priority]
+        urgent: list[Envelope] = []
+        rest: list[Envelope] = []
+        for e in envelopes:
+            is_urgent = e.job.priority >= s.urgent_priority and e.job.type != "embed"
+            (urgent if is_urgent else rest).append(e)
         if urgent:
             out.append((urgent_queue(s.queue), urgent))
-            envelopes = [e for e in envelopes if e.job.priority < s.urgent_priority]
-        if self.router.by_prefix or any(e.model is not None for e in envelopes):
+            envelopes = rest
+        if self.router.by_prefix or any(
+            e.model is not None or e.job.type == "embed" for e in envelopes
+        ):
             out.extend(self.router.route(envelopes).items())
         else:
             out.append((s.queue, envelopes))
@@ -461,9 +468,10 @@ class Client:
     def waiting(self) -> int:
         """Jobs waiting for this client's queue's workers: the shared queue and each live
         worker's own (prefix routing sends most jobs there), which ``max_queue_depth`` bounds."""
-        from protocol.routing import urgent_queue, worker_queue
+        from protocol.routing import embed_queue, urgent_queue, worker_queue
 
-        queues = [self.settings.queue, urgent_queue(self.settings.queue)]
+        queues = [self.settings.queue, urgent_queue(self.settings.queue),
+                  embed_queue(self.settings.queue)]  # fmt: skip
         queues += [
             worker_queue(self.settings.queue, w["name"])
             for w in self.store.workers()

@@ -60,6 +60,7 @@ class Feed:
         self.priority, self.system, self.cache = priority, system, cache
         self.by_line, self.skip = by_line, skip
         self.on_reject, self.on_bytes, self.stop = on_reject, on_bytes, stop
+        self.strict = client.settings.openai_strict
         self.good = 0  # good lines, those the resumed feed sent included
         self.rejected = 0
 
@@ -97,7 +98,7 @@ class Feed:
         """The good lines as envelopes, past ``skip``; bad ones are rejected here, so that
         ``rejected`` counts the whole input."""
         parsed = parse_lines(self._lines(), default_priority=self.priority,
-                             default_system=self.system)  # fmt: skip
+                             default_system=self.system, strict=self.strict)  # fmt: skip
         for p in parsed:
             if self.stop is not None and self.stop.is_set():
                 raise Gone(self.batch)
@@ -117,7 +118,7 @@ class Feed:
         assert self.source is not None
         with open(self.source, "rb") as again:
             yield from parse_lines(read_lines(again), default_priority=self.priority,
-                                   default_system=self.system)  # fmt: skip
+                                   default_system=self.system, strict=self.strict)  # fmt: skip
 
     # -- the canary
     def canary(self, share: float) -> list[Envelope]:
@@ -129,7 +130,7 @@ class Feed:
         source = self.source
 
         def parse(n: int, raw: bytes) -> Parsed:
-            return parse_line(n, raw, self.priority, self.system)
+            return parse_line(n, raw, self.priority, self.system, self.strict)
 
         def numbered() -> Iterator[tuple[int, bytes]]:
             with open(source, "rb") as again:

@@ -55,15 +55,19 @@ def rejected_result(batch: str, p: Parsed, ident: str | None, error: str) -> Job
 
 
 def parse_lines(
-    lines: Iterable[bytes], default_priority: int | None = None, default_system: str | None = None
+    lines: Iterable[bytes],
+    default_priority: int | None = None,
+    default_system: str | None = None,
+    strict: bool = False,
 ) -> Iterator[Parsed]:
-    """Parse raw lines (bytes, so invalid UTF-8 is reported, not raised); skips blank lines."""
+    """Parse raw lines (bytes, so invalid UTF-8 is reported, not raised); skips blank lines.
+    ``strict``: OpenAI lines carrying vLLM's own fields fail (``Settings.openai_strict``)."""
     seen: set[str] = set()
     last: Format = "vqueue"
     for n, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
-        p = parse_line(n, raw, default_priority, default_system)
+        p = parse_line(n, raw, default_priority, default_system, strict)
         if not p.known:
             p.format = last
         last = p.format
@@ -112,11 +116,15 @@ def read_lines(fh: BinaryIO) -> Iterator[bytes]:
 
 
 def parse_line(
-    n: int, raw: bytes, default_priority: int | None = None, default_system: str | None = None
+    n: int,
+    raw: bytes,
+    default_priority: int | None = None,
+    default_system: str | None = None,
+    strict: bool = False,
 ) -> Parsed:
     """One line as a job, or its error; no line, however hostile, raises out of here."""
     try:
-        return _parse_line(n, raw, default_priority, default_system)
+        return _parse_line(n, raw, default_priority, default_system, strict)
     except RecursionError:
         return Parsed(n, error="the line nests too deeply to read", known=False)
     except Exception as exc:  # noqa: BLE001  # a line must never stop the file
@@ -126,7 +134,7 @@ def parse_line(
 
 
 def _parse_line(
-    n: int, raw: bytes, default_priority: int | None, default_system: str | None
+    n: int, raw: bytes, default_priority: int | None, default_system: str | None, strict: bool
 ) -> Parsed:
     if raw == b"\0TOO_LONG" or len(raw) > MAX_LINE_BYTES:
         return Parsed(n, error=f"line is longer than {MAX_LINE_BYTES} bytes", known=False)
@@ -148,7 +156,7 @@ def _parse_line(
     try:
         if "custom_id" in obj:
             req = request_line(obj)
-            job = req.to_job(priority=default_priority or 0)
+            job = req.to_job(priority=default_priority or 0, strict=strict)
             return Parsed(n, job=job, format=req.format, model=req.body.model, custom_id=ident)
         if default_priority is not None and "priority" not in obj:
             obj["priority"] = default_priority

@@ -13,6 +13,14 @@ heartbeat's ``models``), with or without prefix routing; with none serving it, i
 shared queue, where the worker that takes it fails it ``model_not_found``, or, to wait, to the
 model's own queue (``model_queue``), which a worker serving it takes from when it starts.
 
+Embedding jobs (``embed``) need a worker on a pooling model (its heartbeat's ``runner``), and
+such a worker answers nothing else: it consumes its own queue, its names' queues and the
+embedding queue (``embed_queue``), never the shared or urgent ones. An embedding job naming no
+model is routed among the live pooling workers, and waits in the embedding queue while none
+lives; a job of any other type naming none is routed among the generating workers only. A job
+naming a model goes to the workers serving it, whatever their kind: one of the wrong kind
+fails it alone (``wrong_model_kind``).
+
 A dead worker's queue is not stranded: live workers move its jobs to the shared queue
 (``rescue_orphans``, from the worker registry in ``store``), and a worker stopping cleanly moves
 its own.
@@ -40,6 +48,12 @@ def model_queue(queue: str, model: str) -> str:
     """Where jobs naming ``model`` wait while no live worker serves it
     (``Settings.unserved_model`` "wait"); every worker consumes its names' queues."""
     return f"{queue}~{model}"
+
+
+def embed_queue(queue: str) -> str:
+    """Where embedding jobs naming no model wait for a worker on a pooling model; only such
+    workers consume it."""
+    return f"{queue}.embed"
 
 
 def urgent_queue(queue: str) -> str:
@@ -75,6 +89,7 @@ class Router:
         self.wait = wait  # a model nobody serves: its own queue, not the shared one
         self._workers: dict[str, int] = {}  # name -> spill threshold
         self._models: dict[str, list[str]] = {}  # served name -> the workers serving it
+        self._pooling: list[str] = []  # the live workers on a pooling model (embed jobs)
         self._seen = 0.0
 
     def workers(self) -> dict[str, int]:
@@ -92,12 +107,14 @@ class Router:
                     if m:
                         models[m].append(w["name"])
             self._models = {m: sorted(ws) for m, ws in models.items()}
+            self._pooling = sorted(w["name"] for w in live if w.get("runner") == "pooling")
             self._seen = time.monotonic()
         return self._workers
 
     def route(self, envelopes: list[Envelope]) -> dict[str, list[Envelope]]:
         workers = self.workers()
-        every = sorted(workers)
+        pooling = self._pooling
+        generating = sorted(set(workers) - set(pooling))
         depth: dict[str, int] = {}
         out: dict[str, list[Envelope]] = defaultdict(list)
         for env in envelopes:
@@ -106,8 +123,13 @@ class Router:
                 if not names:  # nobody serves it: wait for one, or the worker taking it says so
                     out[model_queue(self.queue, env.model) if self.wait else self.queue].append(env)
                     continue
-            elif self.by_prefix and every:
-                names = every
+            elif env.job.type == "embed":
+                names = pooling
+                if not names:  # an embedding worker takes it when one starts
+                    out[embed_queue(self.queue)].append(env)
+                    continue
+            elif self.by_prefix and generating:
+                names = generating
             else:
                 out[self.queue].append(env)
                 continue

@@ -6,6 +6,7 @@ from .jobs import (
     ChatMessage,
     CodegenJob,
     EarlyStopOverride,
+    EmbedJob,
     Envelope,
     ExtractJob,
     Job,
@@ -16,6 +17,7 @@ from .jobs import (
 from .openai import (
     BatchRequestInput,
     CompletionRequestInput,
+    EmbeddingRequestInput,
     ResponsesRequestInput,
     request_line,
 )
@@ -48,6 +50,8 @@ __all__ = [
     "CodegenJob",
     "EarlyStop",
     "EarlyStopOverride",
+    "EmbedJob",
+    "EmbeddingRequestInput",
     "Envelope",
     "ExtractJob",
     "Job",

@@ -12,13 +12,16 @@ from pydantic import BaseModel, Field, field_validator
 from .jobs import Format
 from .results import CanaryReport
 
-# What a batch's input file holds: OpenAI chat, completions or responses requests, or vqueue's
-# own job lines (every type, extraction schemas and templates included); a batch takes lines of
-# its endpoint only, and each endpoint's lines come back in their own form.
-Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/vqueue/jobs"]
+# What a batch's input file holds: OpenAI chat, completions, responses or embeddings requests, or
+# vqueue's own job lines (every type, extraction schemas and templates included); a batch takes
+# lines of its endpoint only, and each endpoint's lines come back in their own form.
+Endpoint = Literal[
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/vqueue/jobs"
+]
 ENDPOINT_FORMAT: dict[str, Format] = {
     "/v1/chat/completions": "openai",
     "/v1/completions": "openai_completions",
+    "/v1/embeddings": "openai_embeddings",
     "/v1/responses": "openai_responses",
     "/v1/vqueue/jobs": "vqueue",
 }

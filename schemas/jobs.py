@@ -108,17 +108,45 @@ class EarlyStopOverride(BaseModel):
         return policy.model_copy(update=changes)
 
 
-class _JobBase(BaseModel):
+class _Common(BaseModel):
+    """What every job has, whatever it asks of the model: who it is, where it goes, how long
+    it may take, how its input is bounded, and the caller's bookkeeping."""
+
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
 
     id: str = Field(default_factory=new_job_id, min_length=1, max_length=256)
     # 0..9, higher runs first (Redis priority lists in the broker)
     priority: int = Field(default=0, ge=0, le=9)
-    # None means the per-type default from the worker's settings
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_OUTPUT_TOKENS)
     # the served model that answers (a name from a worker's VQUEUE_SERVED_MODEL_NAME, else its
     # VQUEUE_MODEL): producers route the job to a live worker serving it; None: any worker
+    # of the job's kind (an embedding job: one on a pooling model)
     model: str | None = Field(default=None, min_length=1, max_length=256)
+    # fail with "timeout" if still running after this long (capped by VQUEUE_JOB_TIMEOUT_S)
+    timeout_s: float | None = Field(default=None, gt=0)
+    # the document's token limit and what to do past it; None: the worker's per-type settings
+    max_input_tokens: int | None = Field(default=None, ge=1)
+    truncation: Literal["head", "tail", "head_tail", "reject"] | None = None
+    # false: never answered from the result cache, nor stored in it (worker/cache.py)
+    cache: bool = True
+    # echoed back untouched on the result: the caller's own bookkeeping
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounded(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if _depth(v) > MAX_METADATA_DEPTH:
+            raise ValueError(f"metadata nests more than {MAX_METADATA_DEPTH} levels deep")
+        size = len(json.dumps(v, ensure_ascii=False))
+        if size > MAX_METADATA_CHARS:
+            raise ValueError(f"metadata is {size} characters; the limit is {MAX_METADATA_CHARS}")
+        return v
+
+
+class _JobBase(_Common):
+    """A job the model answers with text: its sampling, its budget, its system prompt."""
+
+    # None means the per-type default from the worker's settings
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_OUTPUT_TOKENS)
     # batch work wants reproducible output, so greedy by default
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -149,30 +177,11 @@ class _JobBase(BaseModel):
     logit_bias: (
         dict[Annotated[int, Field(ge=0, lt=2**31)], Annotated[float, Field(ge=-100, le=100)]] | None
     ) = Field(default=None, max_length=300)
-    # fail with "timeout" if still generating after this long (capped by VQUEUE_JOB_TIMEOUT_S)
-    timeout_s: float | None = Field(default=None, gt=0)
     # None: the worker's per-type system prompt; "": an empty system turn; else this text
     system: str | None = Field(default=None, max_length=20_000)
-    # the document's token limit and what to do past it; None: the worker's per-type settings
-    max_input_tokens: int | None = Field(default=None, ge=1)
-    truncation: Literal["head", "tail", "head_tail", "reject"] | None = None
     # logprob early stop: None: the worker's per-type policy; false: off; true: on with that
     # policy; an object: that policy with these fields changed (EarlyStopOverride)
     early_stop: bool | EarlyStopOverride | None = None
-    # false: never answered from the result cache, nor stored in it (worker/cache.py)
-    cache: bool = True
-    # echoed back untouched on the result: the caller's own bookkeeping
-    metadata: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_bounded(cls, v: dict[str, Any]) -> dict[str, Any]:
-        if _depth(v) > MAX_METADATA_DEPTH:
-            raise ValueError(f"metadata nests more than {MAX_METADATA_DEPTH} levels deep")
-        size = len(json.dumps(v, ensure_ascii=False))
-        if size > MAX_METADATA_CHARS:
-            raise ValueError(f"metadata is {size} characters; the limit is {MAX_METADATA_CHARS}")
-        return v
 
 
 # Whether guided decoding can enforce a schema is llguidance's to say, asked in child processes
@@ -479,19 +488,63 @@ class ChatJob(_JobBase):
         return self
 
 
+MAX_EMBED_INPUTS = 2048  # texts in one embedding request, OpenAI's bound
+MAX_EMBED_DIMENSIONS = 65536
+
+
+class EmbedJob(_Common):
+    """Embed ``input`` (a text, or a list of texts, or token ids as vLLM's server takes them)
+    with a worker on a pooling model: one vector per text, pooled and normalized as the model's
+    own pooling config says. ``dimensions`` cuts each vector to its first so many (Matryoshka
+    models only, as vLLM allows); ``base64``: each vector as little-endian float32 bytes in
+    base64, as OpenAI's ``encoding_format`` gives them. A text over the model's length follows
+    ``truncation`` (by default the worker's ``VQUEUE_TRUNCATION_EMBED``)."""
+
+    type: Literal["embed"]
+    input: (
+        Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS)]
+        | list[Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS)]]
+        | list[Annotated[int, Field(ge=0, lt=2**31)]]
+        | list[list[Annotated[int, Field(ge=0, lt=2**31)]]]
+    ) = Field(min_length=1)
+    dimensions: int | None = Field(default=None, ge=1, le=MAX_EMBED_DIMENSIONS)
+    encoding_format: Literal["float", "base64"] = "float"
+    # an OpenAI line asking for what vqueue does not do: failed alone by the worker, as for chat
+    unsupported: Unsupported | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _bounded(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) > MAX_EMBED_INPUTS:
+            raise ValueError(f"{len(v)} inputs; one request takes at most {MAX_EMBED_INPUTS}")
+        if isinstance(v, list) and any(isinstance(x, list) and not x for x in v):
+            raise ValueError("an input of token ids is empty")
+        return v
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input on its own: a text, or one text's token ids."""
+        v = self.input
+        if isinstance(v, str) or (v and isinstance(v[0], int)):
+            return [v]  # type: ignore[list-item]
+        return list(v)  # type: ignore[arg-type]
+
+
 # The characters of a bare prompt that its prefix key covers: prompts that open with the same
 # preamble (instructions, few-shot examples) go to one engine and share its cached blocks
 PROMPT_PREFIX_CHARS = 256
 
 
-Format = Literal["vqueue", "openai", "openai_completions", "openai_responses"]
+Format = Literal["vqueue", "openai", "openai_completions", "openai_responses", "openai_embeddings"]
 
-Job = Annotated[SummarizeJob | ExtractJob | CodegenJob | ChatJob, Field(discriminator="type")]
-JobType = Literal["summarize", "extract", "codegen", "chat"]
-JOB_TYPES: tuple[str, ...] = ("summarize", "extract", "codegen", "chat")
+AnyJob = SummarizeJob | ExtractJob | CodegenJob | ChatJob | EmbedJob
+Job = Annotated[AnyJob, Field(discriminator="type")]
+JobType = Literal["summarize", "extract", "codegen", "chat", "embed"]
+JOB_TYPES: tuple[str, ...] = ("summarize", "extract", "codegen", "chat", "embed")
+# the job types a generating model answers; ``embed`` alone needs a pooling model
+GENERATE_TYPES: tuple[str, ...] = ("summarize", "extract", "codegen", "chat")
 
 
-def prefix_key(job: SummarizeJob | ExtractJob | CodegenJob | ChatJob) -> str:
+def prefix_key(job: AnyJob) -> str:
     """A short hash of the part of a job's prompt that other jobs can share, without a tokenizer.
 
     It follows the order ``worker/prompts.py`` renders a job in: the system prompt, then the
@@ -506,6 +559,8 @@ def prefix_key(job: SummarizeJob | ExtractJob | CodegenJob | ChatJob) -> str:
         parts = [job.type, job.system, job.template, job.instruction, schema]
     elif isinstance(job, CodegenJob):
         parts = [job.type, job.system, job.language, job.context]
+    elif isinstance(job, EmbedJob):  # no prefix to share: spread over the pooling workers
+        parts = [job.type, job.id]
     elif job.prompt is not None:
         parts = [job.type, "prompt", job.prompt[:PROMPT_PREFIX_CHARS]]
     else:  # everything before the last message

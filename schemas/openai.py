@@ -1,7 +1,11 @@
 """OpenAI Batch API lines, so existing batch tooling works unchanged.
 
-Input: one ``/v1/chat/completions``, ``/v1/completions`` or ``/v1/responses`` request per line,
-each read into a job here. The output lines are ``schemas.openai_output``'s.
+Input: one ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` or ``/v1/embeddings``
+request per line, each read into a job here. The output lines are ``schemas.openai_output``'s.
+
+Bodies take vLLM's own request fields beside OpenAI's, as vLLM's server does (``VLLM_FIELDS``),
+so a file written for ``vllm run-batch`` runs unchanged; ``strict`` (``VQUEUE_OPENAI_STRICT``)
+refuses them as OpenAI's API does, each such request failing alone.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from .jobs import (
+    MAX_EMBED_INPUTS,
     MAX_OUTPUT_TOKENS,
     MAX_TEXT_CHARS,
     ChatJob,
     ChatMessage,
+    EmbedJob,
     Format,
     Tool,
     ToolChoice,
@@ -65,6 +71,21 @@ class _VllmFields(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+
+
+# vLLM's request fields, beyond OpenAI's, that these bodies take (docs/http-api.md lists them)
+VLLM_FIELDS = (*_VllmFields.model_fields, "structured_outputs", "guided_json",
+               "truncate_prompt_tokens")  # fmt: skip
+
+
+def strict_refusal(body: BaseModel) -> Unsupported | None:
+    """Under ``strict``: the first vLLM field ``body`` sets, refused as OpenAI's API refuses a
+    field it does not know."""
+    for name in VLLM_FIELDS:
+        if getattr(body, name, None) is not None:
+            return Unsupported(param=name, message=f"Unrecognized request argument supplied: "
+                               f"{name}")  # fmt: skip
+    return None
 
 
 class ChatCompletionBody(_VllmFields):
@@ -219,7 +240,7 @@ class _RequestLine(BaseModel):
 
     custom_id: str = Field(min_length=1, max_length=256)
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"]
 
 
 # Response items a request's ``input`` may hold, and the content parts of each: text only
@@ -307,7 +328,7 @@ class ResponsesRequestInput(_RequestLine):
     body: ResponsesBody
     format: ClassVar[Format] = "openai_responses"
 
-    def to_job(self, priority: int = 0) -> ChatJob:
+    def to_job(self, priority: int = 0, strict: bool = False) -> ChatJob:
         b = self.body
         messages = b.messages()
         refused = messages if isinstance(messages, Unsupported) else b.unsupported()
@@ -336,9 +357,9 @@ class CompletionRequestInput(_RequestLine):
     body: CompletionBody
     format: ClassVar[Format] = "openai_completions"
 
-    def to_job(self, priority: int = 0) -> ChatJob:
+    def to_job(self, priority: int = 0, strict: bool = False) -> ChatJob:
         b = self.body
-        refused = b.unsupported()
+        refused = b.unsupported() or (strict_refusal(b) if strict else None)
         fields: dict[str, Any] = dict(
             id=self.custom_id,
             type="chat",
@@ -360,8 +381,10 @@ class BatchRequestInput(_RequestLine):
     body: ChatCompletionBody
     format: ClassVar[Format] = "openai"
 
-    def to_job(self, priority: int = 0) -> ChatJob:
+    def to_job(self, priority: int = 0, strict: bool = False) -> ChatJob:
         b = self.body
+        if strict and (refused := strict_refusal(b)) is not None:
+            return _refused_chat(self.custom_id, priority, b.metadata, refused)
         schema = None
         if b.response_format and b.response_format.type == "json_schema":
             spec = b.response_format.json_schema or {}
@@ -388,6 +411,68 @@ class BatchRequestInput(_RequestLine):
         fields.update(tools)
         fields["unsupported"] = refused or b.unsupported()
         return ChatJob.model_validate(fields)
+
+
+def _refused_chat(
+    custom_id: str, priority: int, metadata: dict[str, Any] | None, refused: Unsupported
+) -> ChatJob:
+    """A chat request that never runs: the worker fails it with ``refused``, alone."""
+    return ChatJob(id=custom_id, type="chat", priority=priority, prompt="?",
+                   metadata=metadata or {}, unsupported=refused)  # fmt: skip
+
+
+class EmbeddingBody(BaseModel):
+    """A ``/v1/embeddings`` body: OpenAI's fields, and vLLM's ``truncate_prompt_tokens`` (cut
+    each input to its last k tokens; -1: to the model's length). Fields that change nothing
+    are ignored and unknown ones refused, as for chat."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    # a text, texts, token ids, or lists of token ids; checked in ``to_job``, so that a bad
+    # input fails its request alone
+    input: Any
+    dimensions: int | None = None
+    encoding_format: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+
+    def unsupported(self) -> Unsupported | None:
+        asks = [
+            ("encoding_format", self.encoding_format not in (None, "float", "base64"),
+             "writes embeddings as float or base64"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens == 0,
+             "takes truncate_prompt_tokens of -1 (the model's length) or at least 1"),
+        ]  # fmt: skip
+        return _first_refused(asks, self.model_extra)
+
+
+class EmbeddingRequestInput(_RequestLine):
+    """One ``/v1/embeddings`` input line; ``custom_id`` becomes the job id."""
+
+    body: EmbeddingBody
+    format: ClassVar[Format] = "openai_embeddings"
+
+    def to_job(self, priority: int = 0, strict: bool = False) -> EmbedJob:
+        b = self.body
+        refused = b.unsupported() or (strict_refusal(b) if strict else None)
+        fields: dict[str, Any] = {"id": self.custom_id, "type": "embed", "priority": priority}
+        if refused is None:
+            fields.update(input=b.input, dimensions=b.dimensions,
+                          encoding_format=b.encoding_format or "float")  # fmt: skip
+            if (k := b.truncate_prompt_tokens) is not None:  # vLLM's: keep the last k tokens
+                fields.update(truncation="tail", **({"max_input_tokens": k} if k > 0 else {}))
+            try:
+                return EmbedJob.model_validate(fields)
+            except ValidationError as exc:  # OpenAI answers such a request with a 400
+                loc = exc.errors()[0]["loc"]
+                param = str(loc[0]) if loc else "input"
+                message = _first_error(exc) if param != "input" else (
+                    f"input: a text (not empty, at most {MAX_TEXT_CHARS:,} characters), a "
+                    f"list of at most {MAX_EMBED_INPUTS} of them, or token ids"
+                )  # fmt: skip
+                refused = Unsupported(param=param, message=message)
+        return EmbedJob(id=self.custom_id, type="embed", priority=priority, input="?",
+                        unsupported=refused)  # fmt: skip
 
 
 _TOOLS = TypeAdapter(list[Tool])
@@ -424,13 +509,17 @@ def _first_error(exc: Exception) -> str:
     return str(exc)
 
 
-RequestLine = BatchRequestInput | CompletionRequestInput | ResponsesRequestInput
+RequestLine = (
+    BatchRequestInput | CompletionRequestInput | ResponsesRequestInput | EmbeddingRequestInput
+)
 
 
 def request_line(obj: dict[str, Any]) -> RequestLine:
     """An OpenAI batch input line as the request its ``url`` names (a chat request when it names
     none of them, whose error then lists them)."""
     url = obj.get("url")
+    if url == "/v1/embeddings":
+        return EmbeddingRequestInput.model_validate(obj)
     if url == "/v1/completions":
         return CompletionRequestInput.model_validate(obj)
     if url == "/v1/responses":

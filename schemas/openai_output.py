@@ -1,7 +1,7 @@
 """OpenAI Batch API output lines: one line per request in OpenAI's batch output shape
-(``chat.completion``, ``text_completion`` or ``response``); failures go to the errors file with
-``response: null`` and an ``error``, and a request refused before it ran carries the status
-OpenAI's server answers it with."""
+(``chat.completion``, ``text_completion``, ``response`` or an embeddings ``list``); failures
+go to the errors file with ``response: null`` and an ``error``, and a request refused before
+it ran carries the status OpenAI's server answers it with."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 from .results import Choice, JobResult, TokenLogprob
 
 # Requests refused before they run, and the HTTP status their output line carries
-REFUSED_STATUS = {"unsupported_parameter": 400, "model_not_found": 404}
+REFUSED_STATUS = {"unsupported_parameter": 400, "model_not_found": 404, "wrong_model_kind": 400}
 
 
 def output_line(result: JobResult) -> dict[str, Any]:
@@ -41,6 +41,8 @@ def output_line(result: JobResult) -> dict[str, Any]:
             "error": {"code": err.type if err else "error", "message": err.message if err else ""},
         }
     created = int(result.timings.finished_at or time.time())
+    if result.format == "openai_embeddings":
+        return _ok(result, embedding_body(result, created))
     choices = result.choices or [
         Choice(index=0, text=result.text, finish_reason=result.finish_reason,
                logprobs=result.logprobs, tool_calls=result.tool_calls)
@@ -87,6 +89,24 @@ def output_line(result: JobResult) -> dict[str, Any]:
         "usage": usage,
     }
     return _ok(result, body)
+
+
+def embedding_body(result: JobResult, created: int) -> dict[str, Any]:
+    """A ``/v1/embeddings`` answer, as vLLM's server writes it (OpenAI's fields, and its own
+    ``id`` and ``created``): a vector per input, in order."""
+    n = result.usage.prompt_tokens
+    return {
+        "id": f"embd-{result.id}",
+        "object": "list",
+        "created": created,
+        "model": result.model,
+        "data": [
+            {"index": i, "object": "embedding", "embedding": v}
+            for i, v in enumerate(result.embeddings or [])
+        ],
+        "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0,
+                  "prompt_tokens_details": None},
+    }  # fmt: skip
 
 
 def _message(choice: Choice) -> dict[str, Any]:

@@ -24,6 +24,7 @@ ErrorType = Literal[
     "invalid_job",
     "unsupported_parameter",
     "model_not_found",
+    "wrong_model_kind",
     "timeout",
     "dead_letter",
     "internal_error",
@@ -50,6 +51,8 @@ ERROR_TYPES: dict[str, str] = {
     "fails alone, with a 400 line naming the field",
     "model_not_found": "an OpenAI request line named a model the worker does not serve (its "
     "VQUEUE_SERVED_MODEL_NAME names); it fails alone, with the 404 line vLLM's server answers",
+    "wrong_model_kind": "the job asks a model for what it does not do: embeddings of a "
+    "generating model, or text of an embedding (pooling) model; it fails alone, with a 400 line",
     "timeout": "the job was still generating after VQUEUE_JOB_TIMEOUT_S and was aborted",
     "dead_letter": "its worker was lost, or Redis failed, every time it ran; parked in the "
     "dead-letter store",
@@ -230,6 +233,9 @@ class JobResult(BaseModel):
     tool_calls: list[ToolCall] | None = None
     # a codegen job with tests: whether an answer passed them, and each answer's run
     tests: TestReport | None = None
+    # an embed job: one vector per input, in order; each a list of floats, or its float32
+    # bytes in base64 when the job asked for ``encoding_format`` base64
+    embeddings: list[list[float]] | list[str] | None = None
     # answered from the result cache (worker/cache.py) without the engine: usage is the first
     # run's, which ``cached_from`` names
     cached: bool = False

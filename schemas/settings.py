@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -85,6 +85,13 @@ class Settings(BaseSettings):
     # the names requests may give this model, comma-separated, as vLLM's --served-model-name:
     # the first is the one results report; unset, the model itself (``served_names``)
     served_model_name: str | None = None
+    # what the model does: "generate" text (summarize, extract, codegen, chat jobs) or "pooling"
+    # (embed jobs), as vLLM's --runner; "auto": from the model's architecture, as vLLM decides
+    # (worker/models.py: model_runner). A pooling worker serves embed jobs only
+    runner: Literal["auto", "generate", "pooling"] = "auto"
+    # changes to the model's Hugging Face config, as vLLM's --hf-overrides (JSON):
+    # '{"matryoshka_dimensions": [768, 256]}' lets embed jobs ask for those dimensions
+    hf_overrides: dict[str, Any] = Field(default_factory=dict)
     # LoRA adapters this worker serves beside its model, `name=path` comma-separated (a local
     # directory as peft saves one); a job naming an adapter is answered with it, and routed to
     # workers serving it. Empty: no LoRA (vLLM's enable_lora stays off)
@@ -224,10 +231,14 @@ class Settings(BaseSettings):
     max_input_tokens_extract: int = Field(default=65536, ge=1)
     max_input_tokens_codegen: int = Field(default=131072, ge=1)
     max_input_tokens_chat: int = Field(default=8192, ge=1)
+    max_input_tokens_embed: int = Field(default=32768, ge=1)  # each text's; and the model's
     truncation_summarize: Truncation = "head_tail"
     truncation_extract: Truncation = "head"
     truncation_codegen: Truncation = "tail"
     truncation_chat: Literal["reject"] = "reject"  # a conversation is never cut
+    # a text over the embedding model's length fails, as OpenAI's and vLLM's servers refuse it;
+    # "head" embeds its beginning instead (a job's `truncation`, a line's truncate_prompt_tokens)
+    truncation_embed: Truncation = "reject"
 
     # -- per-type output budgets when a job sets no max_tokens
     max_tokens_summarize: int = 256
@@ -347,6 +358,10 @@ class Settings(BaseSettings):
     # service, `"model": "gpt-4o-mini"` on every line, run unchanged; results name the model
     # that answered)
     unserved_model: Literal["fail", "wait", "default"] = "fail"
+    # OpenAI lines may carry vLLM's own request fields (top_k, min_p, guided_json, ...; the
+    # list is schemas/openai.py's VLLM_FIELDS), as vLLM's server takes them; true refuses
+    # them as OpenAI's API does, each such request failing alone (unsupported_parameter)
+    openai_strict: bool = False
     # what a producer does at a limit: wait (with a message on stderr) or refuse (exit 7)
     on_limit: Literal["wait", "refuse"] = "wait"
     # whether guided decoding can enforce a job's JSON Schema is asked of llguidance in child

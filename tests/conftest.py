@@ -174,7 +174,9 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def worker_env(queue: str = MAIN_QUEUE, **extra: str) -> dict[str, str]:
+def worker_env(queue: str = MAIN_QUEUE, **extra: str | None) -> dict[str, str]:
+    """A worker's environment: the tests' small engine on ``queue``, with ``extra`` (a None
+    value leaves that setting at its default)."""
     settings = {
         "VQUEUE_BROKER_URL": redis_url(),
         "VQUEUE_QUEUE": queue,
@@ -190,13 +192,14 @@ def worker_env(queue: str = MAIN_QUEUE, **extra: str) -> dict[str, str]:
         # reaches the engine; tests/test_cache.py turns the cache on for its own worker
         "VQUEUE_RESULT_CACHE": "false",
     }
-    return clean_env(**{**settings, **extra})
+    merged = {**settings, **extra}
+    return clean_env(**{k: v for k, v in merged.items() if v is not None})
 
 
 class WorkerProc:
     """A real ``vqueue worker`` process, its log in this run's artifacts. Made by ``Procs``."""
 
-    def __init__(self, name: str, queue: str, **env: str) -> None:
+    def __init__(self, name: str, queue: str, **env: str | None) -> None:
         self.name, self.queue = name, queue
         self.node = f"{name}-{RUN}@test"  # the Celery node name; results carry it as `worker`
         self.metrics_port = free_port()
@@ -273,7 +276,7 @@ class Procs:
         self.others: list[subprocess.Popen[Any]] = []
         self.servers: list[RedisServer] = []
 
-    def worker(self, name: str, queue: str = MAIN_QUEUE, **env: str) -> WorkerProc:
+    def worker(self, name: str, queue: str = MAIN_QUEUE, **env: str | None) -> WorkerProc:
         w = WorkerProc(name, queue, **env)
         self.workers.append(w)
         return w

@@ -17,9 +17,11 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from schemas import Settings
 from schemas.results import TokenLogprob, TopLogprob
-from worker.engine import Generation
+from worker.engine import Embedding, Generation
 from worker.metrics import EngineStats
 
 POISON = "KILL-THE-WORKER"
@@ -60,6 +62,10 @@ class FakeEngine:
         self.started_at = time.time()
         self.stats = EngineStats()
         self._lock = threading.Lock()
+        # "pooling" when the test or benchmark sets VQUEUE_RUNNER so: embed jobs alone
+        self.runner = "generate" if settings.runner == "auto" else settings.runner
+        self.max_model_len = settings.max_model_len
+        self.matryoshka = True  # any dimensions: its vectors are made up
 
     def chat_prompt(
         self, messages: list[dict[str, str]], known: Any = None, tools: Any = None
@@ -111,6 +117,23 @@ class FakeEngine:
             with self._lock:
                 self.in_flight -= 1
                 self.jobs_done += 1
+
+    def embed_prompt(self, text: str) -> list[int]:
+        return [ord(c) for c in text]  # a character a token
+
+    def embed(
+        self,
+        inputs: list[list[int]],
+        dimensions: int | None = None,
+        timeout_s: Any = None,
+        priority: int = 0,
+        batch: str | None = None,
+        salt: str | None = None,
+    ) -> list[Embedding]:
+        # a fixed unit vector per input, every one back at once as from one engine step
+        return [
+            Embedding(np.eye(1, dimensions or 8, dtype=np.float32)[0], len(ids)) for ids in inputs
+        ]
 
     def active_batches(self) -> list[str]:
         return []  # nothing to abort: a fake job is a sleep

@@ -109,6 +109,7 @@ def test_a_cut_off_retry_after_a_loop_keeps_the_penalty() -> None:
         adapters: dict[str, Any] = {}
         plan = None
         tokenizer = None  # no schema compiled for it
+        runner = "generate"
 
         def chat_prompt(self, messages: list[dict[str, str]], *_: Any, **__: Any) -> list[int]:
             return [1] * 20

@@ -793,6 +793,7 @@ def test_the_job_timeout_covers_the_json_retry() -> None:
         adapters: dict[str, Any] = {}
         plan = None
         tokenizer = None  # no schema compiled for it
+        runner = "generate"
 
         def chat_prompt(self, messages: list[dict[str, str]], *_: Any, **__: Any) -> list[int]:
             return [1] * 20

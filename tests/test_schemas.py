@@ -95,7 +95,7 @@ def test_job_schema_export_validates_real_lines() -> None:
                 {
                     "custom_id": "a",
                     "method": "POST",
-                    "url": "/v1/embeddings",
+                    "url": "/v1/moderations",
                     "body": {"messages": []},
                 }
             ),
@@ -267,6 +267,80 @@ def test_a_line_written_for_vllm_run_batch_runs_unchanged() -> None:
     assert parse_line(1, _guide_line("b", top_k=-2)).error is not None  # out of vLLM's range
 
 
+def test_strict_refuses_vllms_own_fields_each_request_alone() -> None:
+    # Given the same run-batch line read under VQUEUE_OPENAI_STRICT
+    raw = _guide_line("v", top_k=20, min_p=0.05)
+    p = parse_line(1, raw, strict=True)
+    # Then it is a job that fails alone, naming the first such field as OpenAI's API would
+    assert p.error is None and p.job.unsupported is not None
+    assert p.job.unsupported.param == "top_k"
+    assert p.job.unsupported.message == "Unrecognized request argument supplied: top_k"
+    # while a line with OpenAI's fields only runs as before
+    assert parse_line(1, _guide_line("o", temperature=0.5), strict=True).job.unsupported is None
+    guided = _guide_line("g", guided_json={"type": "object"})
+    assert parse_line(1, guided, strict=True).job.unsupported.param == "guided_json"
+
+
+def _embedding_line(cid: str, **body: Any) -> bytes:
+    return line({"custom_id": cid, "method": "POST", "url": "/v1/embeddings",
+                 "body": {"model": "text-embedding-3-small", **body}})  # fmt: skip
+
+
+def test_embeddings_lines_are_embed_jobs_and_bad_ones_fail_alone() -> None:
+    # Given /v1/embeddings lines as OpenAI's batch guide writes them, and vLLM's token ids
+    texts = parse_line(1, _embedding_line("a", input=["x", "y"], encoding_format="base64",
+                                          dimensions=256, user="u"))  # fmt: skip
+    ids = parse_line(2, _embedding_line("b", input=[[1, 2], [3]]))
+    cut = parse_line(3, _embedding_line("c", input="x", truncate_prompt_tokens=5))
+    # Then each is an embed job with what it asked, answered in the embeddings format
+    job = texts.job
+    assert texts.format == "openai_embeddings" and job.type == "embed"
+    assert (job.inputs(), job.encoding_format, job.dimensions) == (["x", "y"], "base64", 256)
+    assert ids.job.inputs() == [[1, 2], [3]]
+    assert parse_line(4, _embedding_line("d", input=[5, 6])).job.inputs() == [[5, 6]]
+    # vLLM's truncate_prompt_tokens keeps the last k tokens
+    assert (cut.job.truncation, cut.job.max_input_tokens) == ("tail", 5)
+    # and what cannot run fails that request alone with a 400 naming the field
+    for body, param in (({"input": ""}, "input"), ({"input": ["x"] * 2049}, "input"),
+                        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+                        ({"input": "x", "temperature": 0}, "temperature")):  # fmt: skip
+        bad = parse_line(5, _embedding_line("e", **body))
+        assert bad.error is None and bad.job.unsupported.param == param, (body, bad)
+    # A vqueue embed job takes no sampling fields: nothing samples a vector
+    refused = parse_line(6, line({"type": "embed", "input": "x", "temperature": 0.5}))
+    assert refused.error == "temperature: Extra inputs are not permitted"
+
+
+def test_embedding_output_lines_are_openais_embeddings_body() -> None:
+    r = JobResult(id="e1", batch="b", type="embed", status="completed", model="m",
+                  embeddings=[[0.5, -0.5], [1.0, 0.0]], format="openai_embeddings",
+                  timings=Timings(enqueued_at=1.0, finished_at=2.0))  # fmt: skip
+    r.usage.prompt_tokens = 7
+    body = output_line(r)["response"]["body"]
+    assert body["object"] == "list" and body["model"] == "m"
+    assert body["data"][1] == {"index": 1, "object": "embedding", "embedding": [1.0, 0.0]}
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] == 7
+    wrong = r.model_copy(
+        update={
+            "status": "failed",
+            "embeddings": None,
+            "error": JobError(type="wrong_model_kind", message="m"),
+        }
+    )
+    assert output_line(wrong)["response"]["status_code"] == 400
+
+
+def test_an_embedding_input_is_cut_keeping_its_special_tokens() -> None:
+    from worker.embeddings import _cut
+
+    ids = [101, *range(1, 11), 102]  # [CLS] 1..10 [SEP]
+    special = {101, 102}
+    assert _cut(ids, 6, "head", special) == [101, 1, 2, 3, 4, 102]
+    assert _cut(ids, 6, "tail", special) == [101, 7, 8, 9, 10, 102]
+    assert _cut(ids, 6, "head_tail", special) == [101, 1, 2, 9, 10, 102]
+    assert _cut(list(range(1, 11)), 3, "head", special) == [1, 2, 3]  # no special tokens
+
+
 def test_openai_output_lines_follow_the_batch_output_format() -> None:
     ok = JobResult(
         id="r1",
@@ -330,12 +404,10 @@ def test_completions_lines_are_bare_prompts_answered_as_text_completions() -> No
         p = parse_line(1, _completion_line("x", **body))
         assert p.error is None and p.job.unsupported.param == param, (body, p.error)
     assert parse_line(1, _completion_line("x", prompt=["one"])).job.prompt == "one"
-    # and a line for an endpoint vqueue does not take names the three it does
+    # and a line for an endpoint vqueue does not take names the four it does
     other = json.loads(_completion_line("x"))
-    p = parse_line(1, json.dumps({**other, "url": "/v1/embeddings"}).encode())
-    assert p.job is None and "'/v1/chat/completions', '/v1/completions' or '/v1/responses'" in (
-        p.error
-    )
+    p = parse_line(1, json.dumps({**other, "url": "/v1/moderations"}).encode())
+    assert p.job is None and "'/v1/responses' or '/v1/embeddings'" in p.error, p.error
     # When it completes, Then its output line is a text_completion with legacy logprobs
     top = TopLogprob(token=" 4", logprob=-0.5, bytes=[32, 52])
     done = JobResult(

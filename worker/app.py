@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery, signals
 
 from protocol.exits import RET_CONFIG, RET_ENGINE
-from protocol.routing import model_queue, move_all, rescue_orphans, urgent_queue, worker_queue
+from protocol.routing import (
+    embed_queue,
+    model_queue,
+    move_all,
+    rescue_orphans,
+    urgent_queue,
+    worker_queue,
+)
 from protocol.wire import PRIORITY_SEP, PRIORITY_STEPS, task_name
 from schemas import JOB_TYPES, Settings, get_settings
 
@@ -314,6 +321,8 @@ def _engine(engine_class: Any, worker: Any) -> Any:
 
     if settings.engine_client:
         return engine_class(settings, join=CoreAddress.parse(settings.engine_client))
+    if _runner() == "pooling":  # embed jobs only: no urgent lane, one process
+        return engine_class(settings)
     bulk = settings.bulk_processes or 1
     lanes = ["bulk"] * (bulk - 1) + (["urgent"] if settings.urgent_concurrency else [])
     if not lanes or engine_class.__module__ != "worker.engine":
@@ -351,7 +360,10 @@ def _add_queues(sender: Any = None, instance: Any = None, **_: Any) -> None:
     if instance is None or settings.lane == "urgent":
         return
     queues = instance.app.amqp.queues
-    if not settings.lane:  # a bulk lane consumes what its worker does, but the urgent queue
+    if _runner() == "pooling":  # embedding jobs only: never the shared or the urgent queue
+        queues.select_add(embed_queue(settings.queue))
+        queues.deselect([settings.queue])
+    elif not settings.lane:  # a bulk lane consumes what its worker does, but the urgent queue
         queues.select_add(urgent_queue(settings.queue))
     owner = settings.urgent_of or str(sender or instance.hostname)
     queues.select_add(worker_queue(settings.queue, owner))
@@ -361,6 +373,17 @@ def _add_queues(sender: Any = None, instance: Any = None, **_: Any) -> None:
         names = settings.served_names()
     for name in names:
         queues.select_add(model_queue(settings.queue, name))
+
+
+def _runner() -> str:
+    """What this worker's model does (``Settings.runner``): decided before its engine exists,
+    since it picks the queues the worker takes from."""
+    from .models import model_runner
+
+    try:
+        return model_runner(settings.model, settings.runner)
+    except (FileNotFoundError, RuntimeError):  # no such model: the engine's start says so
+        return "generate"
 
 
 @signals.worker_ready.connect
@@ -478,6 +501,8 @@ def _heartbeat() -> None:
             # registry entry with it set is part of that worker, not a worker of its own
             "urgent_of": of or None,
             "lane": settings.lane or None,
+            # "pooling": it takes embed jobs alone (protocol/routing.py)
+            "runner": e.runner if e else _runner(),
         }
         if e is not None and e.stats is not None:
             info.update(e.stats.snapshot())

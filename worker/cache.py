@@ -41,6 +41,7 @@ from schemas import JobResult, Settings
 from schemas.results import CachedFrom
 
 from . import metrics
+from .errors import JobTimeout
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 ANSWER_FIELDS = {
     "status", "error", "text", "data", "code", "finish_reason", "usage", "attempts",
     "low_confidence", "choices", "logprobs", "tool_calls", "tests", "input_chars_cleaned",
-    "input_tokens_truncated",
+    "input_tokens_truncated", "embeddings",
 }  # fmt: skip
 
 # Job fields that cannot change the answer: who it is, where it goes, when it gives up.
@@ -58,6 +59,7 @@ IDENTITY_FIELDS = {"id", "metadata", "priority", "timeout_s", "cache", "model"}
 # Worker settings that change an answer without changing the prompt's tokens.
 ANSWER_SETTINGS = (
     "dtype", "quantization", "kv_cache_dtype", "load_format", "max_model_len", "seed",
+    "hf_overrides",
     "structured_outputs_backend", "confidence_monitor", "early_stop_path",
     "early_stop_summarize", "early_stop_extract", "early_stop_codegen", "early_stop_chat",
     "loop_detection", "loop_max_cycle_tokens", "loop_min_repeats", "loop_retries",
@@ -86,8 +88,9 @@ def _vllm_version() -> str:
 
 
 def determined(job: Any) -> bool:
-    """The job's answer is the same each time it runs: greedy, or seeded."""
-    return bool(job.temperature == 0 or job.seed is not None)
+    """The job's answer is the same each time it runs: greedy, or seeded (an embedding always
+    is)."""
+    return job.type == "embed" or bool(job.temperature == 0 or job.seed is not None)
 
 
 class ResultCache:
@@ -99,6 +102,7 @@ class ResultCache:
         self.max_bytes = settings.result_cache_max_bytes
         self.weights = weights
         self._put = r.register_script(source("cache_put"))
+        self._get = r.register_script(source("cache_get"))
         fixed = {
             "format": CACHE_FORMAT,
             "vqueue": _version("vqueue"),
@@ -132,22 +136,21 @@ class ResultCache:
         except RedisError as exc:
             log.warning("result cache unreadable (%s): the job runs", exc)
             return None
-        try:
-            entry: dict[str, Any] | None = json.loads(raw) if raw is not None else None
-        except ValueError:
-            entry = None
-        return entry
+        return _entry_of(raw)
 
-    def claim(self, tenant: str | None, key: str, hold_s: float) -> bool:
-        """True when no identical job is running: this one runs, holding the claim for at most
-        ``hold_s`` (its deadline); ``release`` ends it."""
+    def get_or_claim(self, tenant: str | None, key: str, hold_s: float) -> dict[str, Any] | bool:
+        """The stored answer; else True when no identical job is running (this one runs,
+        holding the claim for at most ``hold_s``, its deadline, until ``release``), False when
+        one is. One round trip; a Redis error reads as a miss with the claim."""
+        entry = self._entry(tenant, key)
         try:
-            ok = self.r.set(
-                self._entry(tenant, key) + ":run", "1", nx=True, px=max(int(hold_s * 1000), 1)
-            )
-        except RedisError:
+            got = self._get(keys=[entry, entry + ":run"], args=[max(int(hold_s * 1000), 1)])
+        except RedisError as exc:
+            log.warning("result cache unreadable (%s): the job runs", exc)
             return True
-        return bool(ok)
+        if isinstance(got, bytes | str):
+            return _entry_of(got) or True
+        return bool(got)
 
     def release(self, tenant: str | None, key: str) -> None:
         try:
@@ -216,6 +219,39 @@ class ResultCache:
             setattr(result, name, getattr(answer, name))
         result.cached, result.cached_from = True, origin
         return True
+
+
+def answered_from_cache(
+    cache: ResultCache, tenant: str | None, key: str, deadline: float, result: JobResult,
+    job_type: str,
+) -> bool:  # fmt: skip
+    """Fill ``result`` from the cache if an identical job's answer is there; else claim the
+    key for this job (or wait for the identical job that holds it)."""
+    got = cache.get_or_claim(tenant, key, _left(deadline))
+    entry = got if isinstance(got, dict) else None
+    if got is False:
+        # an identical job is running: wait for its answer with half the time left, so that
+        # one whose worker was killed (its claim outlives it) costs a rerun, not this job
+        entry = cache.wait(tenant, key, deadline - _left(deadline) / 2)
+    hit = entry is not None and cache.fill(result, entry)
+    metrics.CACHE_LOOKUPS.labels(job_type, "hit" if hit else "miss").inc()
+    return hit
+
+
+def _entry_of(raw: Any) -> dict[str, Any] | None:
+    try:
+        entry: dict[str, Any] | None = json.loads(raw) if raw is not None else None
+    except ValueError:
+        entry = None
+    return entry
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline``; none left is a timeout before the engine sees the job."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise JobTimeout("the job's time ran out before its next attempt")
+    return left
 
 
 def _plain(value: Any) -> Any:

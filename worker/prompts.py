@@ -473,6 +473,13 @@ class PromptTokenizer:
         with self._gate:
             return str(self.tokenizer.decode(ids))
 
+    def with_specials(self, text: str) -> list[int]:
+        """``text``'s ids between the tokenizer's own special tokens (BERT's ``[CLS]`` and
+        ``[SEP]``, a last-token pooler's end token): an embedding model's prompt, as vLLM's
+        embeddings endpoint tokenizes it."""
+        with self._gate:
+            return list(self.tokenizer(text).input_ids)
+
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         """Each token on its own, as vLLM's logprobs name them (``convert_ids_to_tokens``, then
         each token made a string alone): a byte-level token that is part of a character reads

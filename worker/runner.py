@@ -19,6 +19,7 @@ from schemas import (
     Choice,
     CodegenJob,
     EarlyStop,
+    EmbedJob,
     Envelope,
     ExtractJob,
     JobError,
@@ -29,11 +30,11 @@ from schemas import (
 )
 from schemas.results import TestAttempt, TestReport
 
-from . import metrics
 from .answers import _read_output, _schema_of, _tool_calls, _wants_json
 from .budget import MIN_ANSWER_TOKENS, clean_job, fit_input
-from .cache import ResultCache, determined
+from .cache import ResultCache, answered_from_cache, determined
 from .confidence import Monitor
+from .embeddings import run_embed
 from .engine import Engine, Generation
 from .errors import EngineError, JobFailed, JobTimeout, JobWithdrawn
 from .loops import (
@@ -100,12 +101,16 @@ def run_job(
         result.timings.finished_at = time.time()
         return result
     try:
+        if isinstance(job, EmbedJob):
+            run_embed(env, engine, settings, deadline, result, cache)
+            result.timings.finished_at = time.time()
+            return result
         plan = plan_job(env, engine, settings, deadline, result, templates)
         job = plan.job
         key = ""  # the job's result-cache key, when it has one
         if cache is not None and env.cache and job.cache and determined(job):
             key = cache.key(job, result.model or "", env.format, plan.prompt, plan.max_tokens)
-            if _answered_from_cache(cache, env.tenant, key, deadline, result, job.type):
+            if answered_from_cache(cache, env.tenant, key, deadline, result, job.type):
                 result.timings.finished_at = time.time()
                 return result
         _run_kept(plan, result, cache if key else None, env.tenant, key)
@@ -166,6 +171,7 @@ def plan_job(
     cut or cleaned is noted in ``result``. A job that cannot run raises ``JobFailed`` before
     the engine sees it."""
     job = env.job
+    assert not isinstance(job, EmbedJob), "an embed job is pooled, not planned (run_embed)"
     if settings.clean_input:
         job, result.input_chars_cleaned = clean_job(job)
     examples: list[Any] = []
@@ -213,7 +219,7 @@ def _refused(env: Envelope, engine: Engine, settings: Settings) -> JobError | No
     """Why the request cannot run here at all (a parameter this engine does not take, a model
     it does not serve), or None."""
     job = env.job
-    if isinstance(job, ChatJob) and job.unsupported is not None:
+    if isinstance(job, ChatJob | EmbedJob) and job.unsupported is not None:
         u = job.unsupported
         return JobError(type="unsupported_parameter", message=u.message, param=u.param)
     if (
@@ -225,23 +231,13 @@ def _refused(env: Envelope, engine: Engine, settings: Settings) -> JobError | No
         return JobError(type="model_not_found", param="model", message=(
             f"The model `{env.model}` does not exist. This queue's workers serve {names} "
             "(VQUEUE_SERVED_MODEL_NAME)."))  # fmt: skip
+    if (job.type == "embed") != (engine.runner == "pooling"):  # routed by its model's name
+        what = "embeddings" if job.type == "embed" else f"{job.type} jobs"
+        kind = "an embedding (pooling)" if engine.runner == "pooling" else "a generating"
+        return JobError(type="wrong_model_kind", param="model", message=(
+            f"The model `{engine.model_name}` does not support {what}: it is {kind} model. "
+            "Name a model that a worker of the other kind serves."))  # fmt: skip
     return None
-
-
-def _answered_from_cache(
-    cache: ResultCache, tenant: str | None, key: str, deadline: float, result: JobResult,
-    job_type: str,
-) -> bool:  # fmt: skip
-    """Fill ``result`` from the cache if an identical job's answer is there; else claim the
-    key for this job (or wait for the identical job that holds it)."""
-    entry = cache.get(tenant, key)
-    if entry is None and not cache.claim(tenant, key, _left(deadline)):
-        # an identical job is running: wait for its answer with half the time left, so that
-        # one whose worker was killed (its claim outlives it) costs a rerun, not this job
-        entry = cache.wait(tenant, key, deadline - _left(deadline) / 2)
-    hit = entry is not None and cache.fill(result, entry)
-    metrics.CACHE_LOOKUPS.labels(job_type, "hit" if hit else "miss").inc()
-    return hit
 
 
 def _run_kept(
@@ -541,7 +537,7 @@ def _grammar_checked(engine: Engine, settings: Settings) -> bool:
 def warm_grammar_check(engine: Engine, settings: Settings) -> None:
     """At worker start: the schema check's tokenizer, built before the first JSON job needs it
     (``GrammarCheck.warm``)."""
-    if _grammar_checked(engine, settings):
+    if engine.runner == "generate" and _grammar_checked(engine, settings):
         _grammar_check(engine, settings).warm()
 
 

@@ -116,11 +116,11 @@ def _feed_line(batch: str, st: BatchStatus) -> str:
 
 def _fleet_status(client: Any, as_json: bool) -> str:
     """Every live worker (from its heartbeat) and the depth of every queue one consumes."""
-    from protocol.routing import urgent_queue, worker_queue
+    from protocol.routing import embed_queue, urgent_queue, worker_queue
 
     workers = client.store.workers(lanes=True)
     shared = {client.settings.queue, *(w["queue"] for w in workers if w.get("queue"))}
-    shared |= {urgent_queue(q) for q in shared}
+    shared |= {urgent_queue(q) for q in shared} | {embed_queue(q) for q in shared}
     own = {worker_queue(w["queue"], w["name"]) for w in workers if w.get("routed")}
     names = sorted(shared | own)
     depths = {q: client.queue_depth(q) for q in names}
@@ -146,7 +146,8 @@ def _fleet_status(client: Any, as_json: bool) -> str:
         lines.append(
             f"  {w['name']}  host={w['host']} gpus={w.get('gpus') or '-'}"
             f" model={','.join(w.get('models') or [w['model']])}"
-            f" queue={w.get('queue')} in_flight={w['in_flight']}/{w['concurrency']}"
+            + (" (embeddings)" if w.get("runner") == "pooling" else "")
+            + f" queue={w.get('queue')} in_flight={w['in_flight']}/{w['concurrency']}"
             f" done={w['jobs_done']} tok/s={w.get('tokens_per_s', 0):.0f}"
             f" running={w.get('engine_running', '-')} waiting={w.get('engine_waiting', '-')}"
             f" kv={f'{kv:.0%}' if kv is not None else '-'} up={up:.0f}s"

@@ -48,6 +48,7 @@ LINE_KIND = {
     "openai": "/v1/chat/completions",
     "openai_completions": "/v1/completions",
     "openai_responses": "/v1/responses",
+    "openai_embeddings": "/v1/embeddings",
 }
 
 
@@ -150,10 +151,9 @@ class Batches:
         self.store.save(tenant, b)
         return b
 
-    @staticmethod
-    def _lines(fh: Any) -> Iterator[Any]:
+    def _lines(self, fh: Any) -> Iterator[Any]:
         fh.seek(0)
-        yield from parse_lines(read_lines(fh))
+        yield from parse_lines(read_lines(fh), strict=self.settings.openai_strict)
 
     def submit(self, tenant: str, bid: str) -> None:
         """Check every line of the input file, then enqueue them all, or fail the batch; it
@@ -225,8 +225,8 @@ class Batches:
             message = p.error
             if message is None and p.job.priority > ceiling:
                 message = f"priority {p.job.priority} is over this tenant's ceiling of {ceiling}"
-            if message is None and (p.job.max_tokens or 0) > budget:
-                message = f"max_tokens {p.job.max_tokens} is over this tenant's {budget}"
+            if message is None and (asked := getattr(p.job, "max_tokens", 0) or 0) > budget:
+                message = f"max_tokens {asked} is over this tenant's {budget}"
             if message is None and p.format != want:
                 message = (f"a {LINE_KIND[p.format]} line in a batch for {b.endpoint}: its "
                            f"lines are {LINE_KIND[want]} lines")  # fmt: skip

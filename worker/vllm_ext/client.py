@@ -43,7 +43,15 @@ from .configure import ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConfigError", "CoreAddress", "EngineClient", "EngineDead", "EngineError", "Output"]
+__all__ = [
+    "ConfigError",
+    "CoreAddress",
+    "EngineClient",
+    "EngineDead",
+    "EngineError",
+    "Output",
+    "Pooled",
+]
 
 # Requests started on vLLM's loop per tick: enough to keep the engine fed, few enough that one
 # tick never holds up the loop's turn of engine outputs into results.
@@ -79,6 +87,16 @@ class Output:
     # a request that asked for ``logprobs`` k: per output token, its id and log probability,
     # and the k likeliest (id, log probability) at its place, likeliest first
     logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """One finished pooling request: its vector as vLLM's output holds it (a tensor)."""
+
+    data: Any
+    prompt_tokens: int
+    arrived_at: float | None = None  # wall clock: vLLM's front end received the prompt
+    finished_at: float | None = None  # wall clock: the output reached vLLM's front end
 
 
 @dataclass(frozen=True)
@@ -222,11 +240,26 @@ class EngineClient:
         """Start one request. ``order``: vLLM's priority (lower first); ``lead``: set at the
         request's first token (or its end); ``lora``: vLLM's ``LoRARequest`` arguments.
         Cancelling the future aborts the request in the engine."""
-        future: concurrent.futures.Future[Output] = concurrent.futures.Future()
+        run = functools.partial(self._generate, params=params, order=order, lead=lead,
+                                rule=rule, lora=lora)  # fmt: skip
+        return self._queued(prompt_ids, salt, lead, run)
+
+    def submit_pooling(
+        self, prompt_ids: list[int], params: Any, order: int, salt: str | None = None
+    ) -> concurrent.futures.Future[Pooled]:
+        """Start one pooling request (an embedding: ``params`` is vLLM's ``PoolingParams``),
+        as ``submit`` starts a generation."""
+        run = functools.partial(self._pool, params=params, order=order)
+        return self._queued(prompt_ids, salt, None, run)
+
+    def _queued(
+        self, prompt_ids: list[int], salt: str | None, lead: threading.Event | None, run: Any
+    ) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self.dead is not None:
                 raise EngineDead(self.dead)
-            self._admissions.append((future, (prompt_ids, params, order, lead, rule, salt, lora)))
+            self._admissions.append((future, (prompt_ids, salt, lead, run)))
             wake = not self._admitting
             self._admitting = True
         future.add_done_callback(self._cancelled)
@@ -275,9 +308,9 @@ class EngineClient:
             waiting = list(self._admissions)
             self._admissions.clear()
             callback = None if self._closed else self._on_death
-        for _, args in waiting:
-            if args[3] is not None:
-                args[3].set()  # a prefix group's lead that never started
+        for _, (_ids, _salt, lead, _run) in waiting:
+            if lead is not None:
+                lead.set()  # a prefix group's lead that never started
         for future in [*(f for f, _ in waiting), *list(self._tasks)]:
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 future.set_exception(EngineDead(reason))
@@ -293,13 +326,13 @@ class EngineClient:
             n = min(ADMIT_PER_TICK, len(self._admissions))
             batch = [self._admissions.popleft() for _ in range(n)]
             self._admitting = bool(self._admissions)
-        for future, (ids, params, order, lead, rule, salt, lora) in batch:
+        for future, (ids, salt, lead, run) in batch:
             if future.done():  # cancelled before its turn: it never starts
                 if lead is not None:
                     lead.set()
                 continue
             prompt = {"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
-            task = self.loop.create_task(self._generate(prompt, params, order, lead, rule, lora))
+            task = self.loop.create_task(run(prompt))
             self._tasks[future] = task
             task.add_done_callback(functools.partial(self._finished, future, lead))
         if self._admitting:
@@ -332,6 +365,7 @@ class EngineClient:
     async def _generate(
         self,
         prompt: dict[str, Any],
+        *,
         params: Any,
         order: int,
         lead: threading.Event | None,
@@ -408,6 +442,32 @@ class EngineClient:
             preemptions=int(getattr(stats, "num_preemptions", 0) or 0),
             token_ids=None if params.detokenize else list(choice.token_ids),
             logprobs=_token_logprobs(choice, params.logprobs) if rule is None else None,
+        )
+
+    async def _pool(self, prompt: dict[str, Any], *, params: Any, order: int) -> Pooled:
+        """One pooling request to its end (``AsyncLLM.encode``, as vLLM's embeddings endpoint
+        runs it): the pooled vector as vLLM's output holds it (a CPU tensor), which the task
+        thread turns into floats, not this loop."""
+        rid = os.urandom(16).hex()
+        final = None
+        try:
+            async for out in self.engine.encode(prompt, params, rid, priority=order):
+                final = out
+        except asyncio.CancelledError:
+            await self.engine.abort(rid)
+            raise
+        except Exception as exc:  # vLLM's validation errors (dimensions), engine failures
+            if type(exc).__name__ == "EngineDeadError" or self.engine.errored:
+                raise EngineDead(f"{type(exc).__name__}: {exc}") from exc
+            raise EngineError(f"{type(exc).__name__}: {exc}") from exc
+        if final is None or getattr(final.outputs, "data", None) is None:
+            raise EngineError("the engine returned no embedding")
+        stats = getattr(final, "metrics", None)
+        return Pooled(
+            data=final.outputs.data,
+            prompt_tokens=len(final.prompt_token_ids or prompt["prompt_token_ids"]),
+            arrived_at=float(getattr(stats, "arrival_time", 0) or 0) or None,
+            finished_at=time.time(),
         )
 
 

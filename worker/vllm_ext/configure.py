@@ -11,7 +11,7 @@ from typing import Any
 
 from schemas import Settings
 
-from ..models import resolve_model
+from ..models import model_runner, resolve_model
 from .compat import Plan, log_missing, plan, vllm_version
 from .plugin import OWNER_ENV, PLAN_ENV, PLUGIN
 
@@ -92,6 +92,9 @@ def configure_engine(settings: Settings, kwargs: dict[str, Any]) -> tuple[Any, P
     args = AsyncEngineArgs(**kwargs)
     config = args.create_engine_config(usage_context=UsageContext.LLM_CLASS)
     p = plan_for(settings, bool(config.use_v2_model_runner))
+    if kwargs.get("runner") == "pooling":  # no sampling: no monitor, urgent lane or grammar
+        os.environ[PLAN_ENV] = json.dumps(p.as_dict())
+        return config, p
     log_missing(p, log)
     if p.monitor in MONITOR_CLASSES:
         config.model_config.logits_processors = [MONITOR_CLASSES[p.monitor]]
@@ -131,6 +134,16 @@ def engine_kwargs(s: Settings, model_path: str) -> dict[str, Any]:
             disable_any_whitespace=True,
         ),
     )
+    if model_runner(s.model, s.runner) == "pooling":
+        # an embedding model's length is its own (a sentence-transformers config often bounds
+        # it below the architecture's), unless the operator sets one; its prefix caching is
+        # vLLM's to choose, as pooling models may not take it
+        kwargs["runner"] = "pooling"
+        del kwargs["enable_prefix_caching"], kwargs["structured_outputs_config"]
+        if "max_model_len" not in s.model_fields_set:
+            del kwargs["max_model_len"]
+    if s.hf_overrides:
+        kwargs["hf_overrides"] = s.hf_overrides
     if s.lora_adapters:
         kwargs.update(enable_lora=True, max_loras=s.max_loras, max_lora_rank=s.max_lora_rank)
     if s.max_num_batched_tokens:
