@@ -142,9 +142,11 @@ def launch_worker(
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     default = Settings.model_fields["urgent_concurrency"].default
-    # an engine stub takes every job in the one process (worker/app.py `_engine`): no urgent one
+    # an engine stub, or a pooling model, takes every job in the one process (worker/app.py
+    # `_engine`): no urgent one
     stub = not env.get("VQUEUE_ENGINE_CLASS", "worker.engine:").startswith("worker.engine:")
-    urgent = int(env.get("VQUEUE_URGENT_CONCURRENCY", default)) > 0 and not stub
+    alone = stub or env.get("VQUEUE_RUNNER") == "pooling"
+    urgent = int(env.get("VQUEUE_URGENT_CONCURRENCY", default)) > 0 and not alone
 
     def up() -> bool:  # the worker, and its urgent process where it has one
         workers = store.workers(lanes=True)
