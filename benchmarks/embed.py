@@ -66,8 +66,24 @@ def bert_base(src: Path, out: Path) -> Path:
 
 def write_file(path: Path, model: str, lines: int, inputs: int, tokens: int) -> None:
     """The file both sides embed: distinct texts of about ``tokens`` word pieces each."""
-    words = ["queue", "vector", "engine", "batch", "river", "signal", "harbor", "lantern",
-             "meadow", "quartz", "falcon", "copper", "orbit", "summit", "canvas", "thunder"]
+    words = [
+        "queue",
+        "vector",
+        "engine",
+        "batch",
+        "river",
+        "signal",
+        "harbor",
+        "lantern",
+        "meadow",
+        "quartz",
+        "falcon",
+        "copper",
+        "orbit",
+        "summit",
+        "canvas",
+        "thunder",
+    ]
     with open(path, "w") as fh:
         for i in range(lines):
             texts = []
@@ -75,8 +91,12 @@ def write_file(path: Path, model: str, lines: int, inputs: int, tokens: int) -> 
                 seed = i * inputs + j
                 body = [words[(seed * 7 + k * 13 + k * k) % len(words)] for k in range(tokens - 4)]
                 texts.append(f"document {seed}: " + " ".join(body))
-            line = {"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
-                    "body": {"model": model, "input": texts if inputs > 1 else texts[0]}}
+            line = {
+                "custom_id": f"e{i}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": model, "input": texts if inputs > 1 else texts[0]},
+            }
             fh.write(json.dumps(line) + "\n")
 
 
@@ -149,8 +169,15 @@ class Raw:
                 "--model", a.model, "--load-format", a.load_format]  # fmt: skip
         self.log = open(Path(a.out) / "raw.log", "w")  # noqa: SIM115
         env = dict(plugin_env(), VLLM_LOGGING_STREAM="ext://sys.stderr")
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
         self.started = time.perf_counter()
         self.start_s = 0.0
 

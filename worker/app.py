@@ -321,10 +321,9 @@ def _engine(engine_class: Any, worker: Any) -> Any:
 
     if settings.engine_client:
         return engine_class(settings, join=CoreAddress.parse(settings.engine_client))
-    if _runner() == "pooling":  # embed jobs only: no urgent lane, one process
-        return engine_class(settings)
     bulk = settings.bulk_processes or 1
-    lanes = ["bulk"] * (bulk - 1) + (["urgent"] if settings.urgent_concurrency else [])
+    urgent = settings.urgent_concurrency and _runner() == "generate"  # an embedding: no lane
+    lanes = ["bulk"] * (bulk - 1) + (["urgent"] if urgent else [])
     if not lanes or engine_class.__module__ != "worker.engine":
         return engine_class(settings)
     from .vllm_ext.compat import shared_core_missing

