@@ -141,7 +141,7 @@ def _write_result(res: JobResult, out: IO[str] | None, errors: IO[str] | None) -
     if res.format == "vqueue":  # pydantic's serializer in one pass, not its dict through json
         target.write(res.model_dump_json() + "\n")
     else:  # pydantic's serializer too: an embeddings line holds thousands of floats, which
-        # json.dumps writes eight times slower
+        # json.dumps writes far slower (docs/benchmarks.md, "Embeddings")
         target.write(to_json(output_line(res)).decode() + "\n")
 
 
